@@ -1,0 +1,44 @@
+"""Engine configuration: what a user sets, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("float32", "bfloat16", "float16")
+BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m-instruct"
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    # None: sized from kv_cache_memory (or, on a GPU, from gpu_memory_utilization).
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    # None: the model's max_position_embeddings.
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    # CPU: bytes of KV cache when num_kv_blocks is None. None: a quarter of free memory, at most 4 GiB.
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.85
+    cache_dir: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1 or None, got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
