@@ -22,7 +22,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
-    # CPU: bytes of KV cache when num_kv_blocks is None. None: a quarter of free memory, at most 4 GiB.
+    # CPU: bytes of KV cache when num_kv_blocks is None. None: a quarter of free memory, at most 2 GiB.
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.85
     cache_dir: str | None = None

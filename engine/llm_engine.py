@@ -1,0 +1,211 @@
+"""LLMEngine: add requests, step, read outputs. One continuous batch over a paged KV cache."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import Detokenizer
+from engine.loader import resolve_model
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput
+from engine.sampler import SamplingBatch
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+log = logging.getLogger("pagedq.engine")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
+        self.config = config = config or EngineConfig(**kwargs)
+        self.model_name = config.model
+        folder = resolve_model(config.model, config.cache_dir)
+        from transformers import AutoTokenizer, GenerationConfig
+
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.runner = ModelRunner(config, folder)
+        self.max_model_len = self.runner.max_model_len
+        self.vocab_size = self.runner.hf_config.vocab_size
+        self.eos_token_ids = self._eos_ids(folder, GenerationConfig)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.detok: dict[str, Detokenizer] = {}
+        self.rng = random.Random(config.seed)
+
+    def _eos_ids(self, folder, GenerationConfig) -> set[int]:
+        ids = None
+        with contextlib.suppress(OSError):
+            ids = GenerationConfig.from_pretrained(folder).eos_token_id
+        if ids is None:
+            ids = getattr(self.runner.hf_config, "eos_token_id", None)
+        if ids is None:
+            ids = self.tokenizer.eos_token_id
+        if ids is None:
+            return set()
+        return set(ids) if isinstance(ids, (list, tuple)) else {int(ids)}
+
+    # ---- requests -------------------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Queue a request. Bad input raises ValueError and leaves the engine as it was."""
+        params = params or SamplingParams()
+        params.validate()
+        if (prompt is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt or prompt_token_ids")
+        if prompt is not None:
+            if not isinstance(prompt, str) or not prompt:
+                raise ValueError("prompt is empty: give at least one character")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        ids = list(prompt_token_ids or [])
+        if not ids:
+            raise ValueError("prompt is empty: it encodes to no tokens")
+        if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in ids):
+            raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens, but this model runs at most {self.max_model_len} tokens in all "
+                f"(prompt + output): shorten the prompt"
+            )
+        if request_id in self.scheduler.by_id:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        seq = Sequence(request_id, ids, params, priority, seed=self.rng.getrandbits(63))
+        self.scheduler.add(seq)
+        self.detok[request_id] = Detokenizer(self.tokenizer, ids, params.stop)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request now; its KV blocks are free when this returns. False if it was not in the engine."""
+        seq = self.scheduler.by_id.get(request_id)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        self.detok.pop(request_id, None)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def num_admittable(self) -> int:
+        return self.scheduler.num_admittable()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        if not messages:
+            raise ValueError("messages is empty: give at least one message")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"model {self.model_name!r} has no chat template: send a plain prompt instead")
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError("each message needs a 'role' and a 'content'")
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        if isinstance(out, dict) or hasattr(out, "input_ids"):
+            out = out["input_ids"]
+        return list(out)
+
+    # ---- stepping -------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        samplers = [s for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
+        needs_history = any(
+            s.params.repetition_penalty != 1.0 or s.params.presence_penalty or s.params.frequency_penalty
+            for s in samplers
+        )
+        sampling = SamplingBatch(
+            params=[s.params for s in samplers],
+            seeds=[s.seed for s in samplers],
+            steps=[s.num_output_tokens for s in samplers],
+            output_ids=[s.output_token_ids for s in samplers] if needs_history else None,
+            prompt_ids=[s.token_ids[: s.num_prompt_tokens] for s in samplers] if needs_history else None,
+            eos_ids=sorted(self.eos_token_ids),
+        )
+        tokens, logprobs = self.runner.run(batch, sampling)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.commit(seq)
+        outputs = []
+        for row, (seq, token) in enumerate(zip(samplers, tokens)):
+            seq.token_ids.append(token)
+            outputs.append(self._output(seq, token, logprobs[row] if logprobs.numel() else None))
+        return outputs
+
+    def _output(self, seq: Sequence, token: int, logprobs) -> RequestOutput:
+        p = seq.params
+        reason = None
+        if not p.ignore_eos and token in self.eos_token_ids and seq.num_output_tokens > p.min_tokens - 1 or token in p.stop_token_ids and seq.num_output_tokens >= p.min_tokens:
+            reason = "stop"
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        detok = self.detok[seq.request_id]
+        # EOS and stop tokens are kept in token_ids but their text is not shown.
+        shown = [] if reason == "stop" else [token]
+        text, stopped = detok.add(shown, final=reason is not None)
+        if stopped and reason is None:
+            reason = "stop"
+            text += detok.add([], final=True)[0]
+        lp = None
+        if logprobs is not None and p.logprobs is not None:
+            top = {}
+            if p.logprobs:
+                values, ids = logprobs.topk(p.logprobs)
+                top = dict(zip(ids.tolist(), values.tolist()))
+            lp = [(float(logprobs[token]), top)]
+        out = RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token],
+            new_text=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            token_ids=seq.output_token_ids,
+            text=detok.text if reason is None else detok.text[: detok.sent],
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            logprobs=lp,
+        )
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            del self.detok[seq.request_id]
+        return out
+
+    # ---- offline convenience --------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts (text or token ids) to completion together; final outputs in input order."""
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{self.rng.getrandbits(48):012x}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            if isinstance(prompt, str):
+                self.add_request(rid, prompt=prompt, params=p)
+            else:
+                self.add_request(rid, prompt_token_ids=list(prompt), params=p)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[r] for r in ids]

@@ -1,0 +1,155 @@
+"""Loads the model, owns the KV cache, and turns a scheduled batch into one forward and sampled tokens."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from transformers import AutoConfig
+
+from engine.config import EngineConfig
+from engine.models.llama import SUPPORTED_ARCHS, AttnContext, LlamaForCausalLM
+from engine.sampler import SamplingBatch, sample
+from engine.scheduler import SchedulerOutput
+from kernels import get_backend
+
+log = logging.getLogger("pagedq.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, folder) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        hf_config = AutoConfig.from_pretrained(folder)
+        archs = getattr(hf_config, "architectures", None) or []
+        if not archs or archs[0] not in SUPPORTED_ARCHS:
+            raise ValueError(
+                f"model architecture {archs[0] if archs else hf_config.model_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHS)}"
+            )
+        self.hf_config = hf_config
+        model_max = int(getattr(hf_config, "max_position_embeddings", 4096))
+        window = getattr(hf_config, "sliding_window", None)
+        if window and getattr(hf_config, "use_sliding_window", True):
+            model_max = min(model_max, int(window))  # we attend fully, so stay inside the window
+        if config.max_model_len is not None and config.max_model_len > model_max:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit of {model_max} tokens")
+        self.max_model_len = config.max_model_len or model_max
+        self.ops = get_backend(config.attention_backend, config.device)
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = LlamaForCausalLM(hf_config, self.max_model_len)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        self.model.load_weights(folder)
+        self.model.cos = self.model.cos.float()
+        self.model.sin = self.model.sin.float()
+        self.model.eval()
+        self.num_blocks = self._size_cache()
+        self.max_model_len = min(self.max_model_len, self.num_blocks * config.block_size)
+        self._allocate_cache()
+
+    def _size_cache(self) -> int:
+        cfg, hf = self.config, self.hf_config
+        attn = self.model.model.layers[0].self_attn
+        per_block = (2 * hf.num_hidden_layers * cfg.block_size * attn.num_kv_heads * attn.head_dim
+                     * torch.tensor([], dtype=self.dtype).element_size())
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            # Leave room for activations of the largest batch and the logits of up to max_num_seqs rows.
+            reserve = (cfg.max_num_batched_tokens * hf.hidden_size * 24 + cfg.max_num_seqs * hf.vocab_size * 8)
+            budget = int(total * cfg.gpu_memory_utilization) - (total - free) - reserve
+        else:
+            budget = cfg.kv_cache_memory or min(2 << 30, _available_memory() // 4)
+        blocks = budget // per_block
+        # More than every slot filled to max_model_len is never used.
+        cap = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+        blocks = min(blocks, cap)
+        if blocks < 1:
+            raise ValueError("not enough memory for a KV cache: lower max_num_seqs or set num_kv_blocks")
+        return int(blocks)
+
+    def _allocate_cache(self) -> None:
+        attn = self.model.model.layers[0].self_attn
+        layers = self.model.model.layers
+        shape = (2, len(layers), self.num_blocks, self.config.block_size, attn.num_kv_heads, attn.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(layers):
+            layer.self_attn.k_cache = self.kv_cache[0, i]
+            layer.self_attn.v_cache = self.kv_cache[1, i]
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks, self.config.block_size,
+                 self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
+
+    def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttnContext, list[int]]:
+        bs = self.config.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            end = start + n
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            if n == 1:
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            starts.append(starts[-1] + n)
+            seq_lens.append(end)
+            if end == seq.num_tokens:
+                sample_rows.append(starts[-1] - 1)
+        width = max(len(s.block_table) for s in batch.seqs)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
+        dev = self.device
+
+        def t(x, dtype):
+            return torch.tensor(x, dtype=dtype, device=dev)
+
+        ctx = AttnContext(
+            slot_mapping=t(slots, torch.int64),
+            query_start_loc=t(starts, torch.int32),
+            seq_lens=t(seq_lens, torch.int32),
+            block_table=t(tables, torch.int32),
+            ops=self.ops,
+        )
+        return t(input_ids, torch.int64), t(positions, torch.int64), ctx, sample_rows
+
+    @torch.inference_mode()
+    def run(self, batch: SchedulerOutput, sampling: SamplingBatch) -> tuple[list[int], torch.Tensor]:
+        """One forward over the batch -> sampled token per sampling row (in batch order) and raw logprobs."""
+        input_ids, positions, ctx, rows = self.prepare(batch)
+        hidden = self.model(input_ids, positions, ctx)
+        if not rows:
+            return [], torch.empty(0)
+        # Logits only where a token is sampled, never for the rest of a prompt.
+        logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
+        tokens, logprobs = sample(logits, sampling)
+        return tokens.tolist(), logprobs
+
+
+def set_threads() -> None:
+    # Respect an explicit OMP setting; otherwise torch's default (all cores) is what we want.
+    if "OMP_NUM_THREADS" in os.environ:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

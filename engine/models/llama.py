@@ -1,0 +1,241 @@
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3): fused qkv and gate/up, GQA, tied or untied embeddings."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass
+class AttnContext:
+    """What every attention layer of one forward needs; built once per step by the model runner."""
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    ops: object  # a kernels backend module: store_kv, paged_attention
+
+
+def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the attention scaling, the way transformers computes them."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = getattr(config, "rope_scaling", None) or {}
+    if not params:
+        params = dict(scaling)
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    base = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    partial = float(getattr(config, "partial_rotary_factor", 1.0) or 1.0)
+    dim = int(head_dim * partial)
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+    if rope_type == "default":
+        return inv, 1.0
+    if rope_type == "linear":
+        return inv / float(params["factor"]), 1.0
+    if rope_type == "llama3":
+        factor = float(params["factor"])
+        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        old_len = float(params["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    raise ValueError(f"rope type {rope_type!r} is not supported (supported: default, linear, llama3)")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in the rotate-half layout; x [T, H, D], cos/sin [T, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config, arch: str) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        bias = arch == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False))
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        o_bias = bool(getattr(config, "attention_bias", False)) and arch != "Qwen2ForCausalLM"
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.qk_norm = arch == "Qwen3ForCausalLM"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.scale = self.head_dim**-0.5
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        ctx.ops.store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        o = ctx.ops.paged_attention(
+            q, self.k_cache, self.v_cache, ctx.query_start_loc, ctx.seq_lens, ctx.block_table, self.scale
+        )
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.inter = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=bias)
+        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=bias)
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, arch: str) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, arch)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, arch: str) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, arch) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF weight name -> (our fused parameter, shard index)
+    FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
+        if arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)}")
+        self.config = config
+        self.model = LlamaModel(config, arch)
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        attn = self.model.layers[0].self_attn
+        inv_freq, scaling = rope_inv_freq(config, attn.head_dim)
+        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        """Hidden states [T, hidden] of a flat token batch."""
+        h = self.model.embed_tokens(input_ids)
+        cos = self.cos[positions].to(h.dtype)[:, None, :]
+        sin = self.sin[positions].to(h.dtype)[:, None, :]
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, ctx)
+        return self.model.norm(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, folder: Path) -> None:
+        from safetensors import safe_open
+
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        files = sorted(Path(folder).glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"no *.safetensors weights in {folder}")
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                    if "rotary_emb" in name:
+                        continue
+                    if name == "lm_head.weight" and self.tied:
+                        continue
+                    tensor = f.get_tensor(name)
+                    target, shard = self._target(name)
+                    if target not in params:
+                        raise ValueError(f"unexpected weight {name!r} in {file.name}")
+                    param = params[target]
+                    with torch.no_grad():
+                        if shard is None:
+                            param.copy_(tensor)
+                        else:
+                            param[self._shard_slice(target, shard)].copy_(tensor)
+                    loaded.add(f"{target}#{shard}")
+        expected = {f"{n}#{s}" for n in params for s in self._shards_of(n)}
+        if self.tied:
+            expected = {e for e in expected if not e.startswith("lm_head.")}
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"weights missing from {folder}: {sorted(missing)[:5]}")
+
+    def _target(self, name: str) -> tuple[str, int | None]:
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part in self.FUSED:
+                fused, shard = self.FUSED[part]
+                parts[i] = fused
+                return ".".join(parts), shard
+        return name, None
+
+    def _shards_of(self, name: str) -> list[int | None]:
+        if ".qkv_proj." in name:
+            return [0, 1, 2]
+        if ".gate_up_proj." in name:
+            return [0, 1]
+        return [None]
+
+    def _shard_slice(self, target: str, shard: int) -> slice:
+        if ".qkv_proj." in target:
+            attn = self.model.layers[0].self_attn
+            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        else:
+            inter = self.model.layers[0].mlp.inter
+            sizes = [inter, inter]
+        start = sum(sizes[:shard])
+        return slice(start, start + sizes[shard])

@@ -1,0 +1,112 @@
+"""Token selection for a batch of rows, vectorized over the batch.
+
+Each row's random draw comes from a generator seeded by (request seed, output position) alone, so a seeded
+request samples the same tokens whatever shares its batch, after a preemption, or resumed on another worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    params: list[SamplingParams]
+    seeds: list[int]
+    steps: list[int]  # output position of the token each row samples
+    # Only filled when a penalty or min_tokens needs them.
+    output_ids: list[list[int]] | None = None
+    prompt_ids: list[list[int]] | None = None
+    eos_ids: list[int] | None = None
+
+
+def _mix(seed: int, step: int) -> int:
+    # splitmix64 over (seed, step): nearby seeds and steps give unrelated streams.
+    x = (seed * 0x9E3779B97F4A7C15 + step + 1) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    rows = [i for i, p in enumerate(batch.params)
+            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty]
+    if not rows:
+        return logits
+    vocab = logits.shape[-1]
+    dev = logits.device
+    for i in rows:  # rows with penalties are rare; their token histories differ in length anyway
+        p = batch.params[i]
+        out = torch.tensor(batch.output_ids[i], dtype=torch.long, device=dev)
+        counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0
+            prompt = torch.tensor(batch.prompt_ids[i], dtype=torch.long, device=dev)
+            seen[prompt[prompt < vocab]] = True
+            row = logits[i]
+            penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            logits[i] = torch.where(seen, penalized, row)
+        if p.frequency_penalty:
+            logits[i] -= p.frequency_penalty * counts
+        if p.presence_penalty:
+            logits[i] -= p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    for i, p in enumerate(batch.params):
+        if p.min_tokens and batch.steps[i] < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(batch.eos_ids or []))
+            if banned:
+                logits[i, banned] = float("-inf")
+    return logits
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [S, V] float32 -> (token ids [S], logprobs of the raw distribution [S, V] or empty)."""
+    want_logprobs = any(p.logprobs is not None for p in batch.params)
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else torch.empty(0)
+    logits = apply_min_tokens(apply_penalties(logits, batch), batch)
+    greedy = logits.argmax(dim=-1)
+    random_rows = [i for i, p in enumerate(batch.params) if p.temperature > 0]
+    if not random_rows:
+        return greedy, raw_logprobs
+    params = [batch.params[i] for i in random_rows]
+    dev = logits.device
+    rows = torch.tensor(random_rows, device=dev)
+    x = logits[rows] / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    if any(p.top_k for p in params) or any(p.top_p < 1 for p in params):
+        x = _top_k_top_p(x, params)
+    probs = torch.softmax(x, dim=-1)
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
+        probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+    # Exponential race: argmax(p / E), E ~ Exp(1), picks token t with probability p_t.
+    noise = torch.empty_like(probs)
+    gen = torch.Generator(device=dev)
+    for j, i in enumerate(random_rows):
+        gen.manual_seed(_mix(batch.seeds[i], batch.steps[i]))
+        noise[j].exponential_(generator=gen)
+    chosen = (probs / noise).argmax(dim=-1)
+    greedy[rows] = chosen
+    return greedy, raw_logprobs
+
+
+def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    dev = x.device
+    vocab = x.shape[-1]
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    top_k = torch.tensor([p.top_k if p.top_k else vocab for p in params], device=dev)
+    ranks = torch.arange(vocab, device=dev)[None, :]
+    drop = ranks >= top_k[:, None]
+    top_p = torch.tensor([p.top_p for p in params], device=dev)
+    probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p; the first token is always kept.
+    before = probs.cumsum(dim=-1) - probs
+    drop |= before >= top_p[:, None]
+    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(1, order, sorted_x)

@@ -1,0 +1,63 @@
+"""One request as the engine tracks it: tokens, progress through the KV cache, and when it is done."""
+
+from __future__ import annotations
+
+import itertools
+from enum import Enum, auto
+
+from engine.sampling_params import SamplingParams
+
+_arrivals = itertools.count()
+
+
+class Status(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        seed: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.priority = priority
+        self.arrival = next(_arrivals)
+        # Sampling draws depend on (seed, output position) only, so the batch around a request never matters.
+        self.seed = params.seed if params.seed is not None else seed
+        self.status = Status.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # prefix-cache hashes of the full blocks computed so far
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        # Lower priority value first, then arrival: a preempted request goes back ahead of later arrivals.
+        return (self.priority, self.arrival)
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")

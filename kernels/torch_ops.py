@@ -1,0 +1,87 @@
+"""Paged attention in plain torch: the CPU inference path and the test oracle for the Triton kernels."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write k, v [T, Hkv, D] into the caches at flat slots (block * block_size + offset); slot -1 is skipped."""
+    if slot_mapping.numel() == 0:
+        return
+    if int(slot_mapping.min()) < 0:
+        keep = slot_mapping >= 0
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    flat_k.index_copy_(0, slot_mapping, k.to(flat_k.dtype))
+    flat_v.index_copy_(0, slot_mapping, v.to(flat_v.dtype))
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Blocks [..., n] of a cache -> [..., n * block_size, Hkv, D]."""
+    g = cache[blocks]
+    return g.view(*blocks.shape[:-1], -1, *cache.shape[2:])
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, Hq, D] holds the new tokens of B sequences back to back -> out [T, Hq, D].
+
+    The i-th new token of sequence b sits at position seq_lens[b] - q_len_b + i and sees positions up to its own.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
+
+    # Decode rows (one new token each) go through one batched matmul; the rest one sequence at a time.
+    decode = [b for b, n in enumerate(q_lens) if n == 1]
+    if decode:
+        idx = torch.tensor(decode, device=q.device)
+        rows = torch.tensor([starts[b] for b in decode], device=q.device)
+        n_blocks = -(-max(lens[b] for b in decode) // block_size)
+        blocks = block_table[idx, :n_blocks].long()
+        k = _gather(k_cache, blocks).to(q.dtype)  # [Bd, L, Hkv, D]
+        v = _gather(v_cache, blocks).to(q.dtype)
+        qd = q[rows].view(len(decode), num_kv_heads, group, head_dim)
+        scores = torch.matmul(qd, k.permute(0, 2, 3, 1)) * scale  # [Bd, Hkv, G, L]
+        pad = torch.arange(k.shape[1], device=q.device)[None, :] >= seq_lens[idx].long()[:, None]
+        scores = scores.float().masked_fill(pad[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        o = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [Bd, Hkv, G, D]
+        out[rows] = o.reshape(len(decode), num_heads, head_dim)
+
+    for b, q_len in enumerate(q_lens):
+        if q_len <= 1:
+            continue
+        start, total = starts[b], lens[b]
+        blocks = block_table[b, : -(-total // block_size)].long()
+        k = _gather(k_cache, blocks)[:total].to(q.dtype)  # [L, Hkv, D]
+        v = _gather(v_cache, blocks)[:total].to(q.dtype)
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        qs = q[start : start + q_len].transpose(0, 1)  # [Hq, q_len, D]
+        if total == q_len:
+            o = F.scaled_dot_product_attention(qs, k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale)
+        else:
+            # Bottom-right aligned causal mask: earlier positions are already in the cache.
+            pos = torch.arange(total - q_len, total, device=q.device)
+            mask = torch.arange(total, device=q.device)[None, :] <= pos[:, None]
+            o = F.scaled_dot_product_attention(qs, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
+        out[start : start + q_len] = o.transpose(0, 1)
+    return out
