@@ -1,0 +1,72 @@
+"""Incremental text: deltas add up to the final text and never carry half a character."""
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.detokenizer import Detokenizer
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    return LLMEngine(EngineConfig(model=tiny_model("llama")))
+
+
+@pytest.mark.parametrize("text", ["你好，世界！今天天气很好。我们去公园散步吧。", "Café ☕ naïve — 🙂 emoji 👍🏽 ok", "plain ascii text."])
+def test_detokenizer_deltas_are_whole_characters(engine, text):
+    ids = engine.tokenizer.encode(text)
+    d = Detokenizer(engine.tokenizer, engine.tokenizer.encode("Say:"), [])
+    deltas = [d.add([t], final=i == len(ids) - 1)[0] for i, t in enumerate(ids)]
+    assert "".join(deltas) == text
+    assert not any("\ufffd" in x for x in deltas)
+
+
+def test_detokenizer_holds_back_a_stop_string_prefix(engine):
+    tok = engine.tokenizer
+    ids = tok.encode("one two three STOP four")
+    d = Detokenizer(tok, [], ["STOP"])
+    deltas = []
+    for t in ids:
+        delta, stopped = d.add([t], final=False)
+        deltas.append(delta)
+        if stopped:
+            break
+    assert stopped and "".join(deltas) == "one two three "
+    assert not any("S" in x for x in deltas)
+
+
+def stream(engine, prompt, params):
+    engine.add_request("s", prompt=prompt, params=params)
+    deltas, final = [], None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            deltas.append(o.new_text)
+            final = o
+    return deltas, final
+
+
+@pytest.mark.parametrize("prompt", ["请用中文写一首关于大海的诗。", "Tell me a story about a dragon."])
+def test_engine_stream_adds_up_to_the_final_text(engine, prompt):
+    deltas, final = stream(engine, prompt, SamplingParams(max_tokens=48, temperature=0.8, seed=7))
+    assert "".join(deltas) == final.text
+    assert final.text == engine.tokenizer.decode(final.token_ids, skip_special_tokens=True)
+
+
+def test_engine_stream_with_stop_string(engine):
+    free = engine.generate(["Tell me a story about a dragon."], SamplingParams(max_tokens=40, temperature=0))[0]
+    stop = free.text[8:14]
+    deltas, final = stream(engine, "Tell me a story about a dragon.",
+                           SamplingParams(max_tokens=40, temperature=0, stop=[stop]))
+    assert "".join(deltas) == final.text == free.text[: free.text.index(stop)]
+
+
+@pytest.mark.slow
+def test_smollm2_chinese_stream(smollm2):
+    ids = smollm2.apply_chat_template([{"role": "user", "content": "用中文介绍一下北京。"}])
+    smollm2.add_request("zh", prompt_token_ids=ids, params=SamplingParams(max_tokens=40, temperature=0))
+    deltas, final = [], None
+    while smollm2.has_unfinished_requests():
+        for o in smollm2.step():
+            deltas.append(o.new_text)
+            final = o
+    assert "".join(deltas) == final.text
+    assert not any("\ufffd" in x for x in deltas)
