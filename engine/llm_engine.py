@@ -160,9 +160,8 @@ class LLMEngine:
         # EOS and stop tokens are kept in token_ids but their text is not shown.
         shown = [] if reason == "stop" else [token]
         text, stopped = detok.add(shown, final=reason is not None)
-        if stopped and reason is None:
+        if stopped:
             reason = "stop"
-            text += detok.add([], final=True)[0]
         lp = None
         if logprobs is not None and p.logprobs is not None:
             top = {}
@@ -177,7 +176,7 @@ class LLMEngine:
             finished=reason is not None,
             finish_reason=reason,
             token_ids=seq.output_token_ids,
-            text=detok.text if reason is None else detok.text[: detok.sent],
+            text=detok.text[: detok.sent],
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             logprobs=lp,
@@ -198,11 +197,16 @@ class LLMEngine:
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"gen-{self.rng.getrandbits(48):012x}-{i}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, plist):
-            if isinstance(prompt, str):
-                self.add_request(rid, prompt=prompt, params=p)
-            else:
-                self.add_request(rid, prompt_token_ids=list(prompt), params=p)
+        try:
+            for rid, prompt, p in zip(ids, prompts, plist):
+                if isinstance(prompt, str):
+                    self.add_request(rid, prompt=prompt, params=p)
+                else:
+                    self.add_request(rid, prompt_token_ids=list(prompt), params=p)
+        except ValueError:
+            for rid in ids:
+                self.abort(rid)
+            raise
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
             for out in self.step():
