@@ -41,8 +41,8 @@ def run_to_end(sched, limit=1000):
 
 def test_admission_respects_token_budget_and_chunks_long_prompts():
     sched = make(budget=10)
-    a = add(sched, "a", 6)
-    b = add(sched, "b", 7)
+    add(sched, "a", 6)
+    add(sched, "b", 7)
     out = sched.schedule()
     assert [s.request_id for s in out.seqs] == ["a", "b"]
     assert out.num_new_tokens == [6, 4]  # b gets the rest of the budget as a first chunk

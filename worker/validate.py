@@ -1,0 +1,73 @@
+"""Turning a stream entry into an engine request, or into a clear error for its failed result."""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+from engine import SamplingParams
+from producer.keys import ENTRY_JOB
+from producer.protocol import JobRequest, Limits
+
+
+class Rejected(Exception):
+    """The job cannot run: `type` and `message` go into its failed result."""
+
+    def __init__(self, type: str, message: str) -> None:
+        super().__init__(message)
+        self.type = type
+        self.message = message
+
+
+def parse(fields: dict, job_id: str, limits: Limits, served: set[str]) -> JobRequest:
+    raw = fields.get(ENTRY_JOB)
+    if raw is None:
+        raise Rejected("invalid_request", f"stream entry has no {ENTRY_JOB!r} field holding the JobRequest JSON")
+    try:
+        req = JobRequest.model_validate_json(raw)
+    except ValidationError as e:
+        errs = e.errors(include_url=False)
+        if errs and errs[0]["type"] == "json_invalid":
+            raise Rejected("invalid_json", f"job is not valid JSON: {errs[0]['msg']}") from None
+        parts = [f"{'.'.join(str(x) for x in err['loc']) or 'request'}: {err['msg']}" for err in errs]
+        raise Rejected("invalid_request", "; ".join(parts)) from None
+    if req.id != job_id:
+        raise Rejected("invalid_request", f"the JSON's id {req.id!r} differs from the entry's id {job_id!r}")
+    if req.model is not None and req.model not in served:
+        raise Rejected("unknown_model",
+                       f"model {req.model!r} is not served on this queue; this worker serves {sorted(served)}")
+    try:
+        limits.check(req)
+    except ValueError as e:
+        raise Rejected("limit_exceeded", str(e)) from None
+    return req
+
+
+def sampling_params(req: JobRequest) -> SamplingParams:
+    try:
+        return SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                              top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=list(req.stop),
+                              stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
+                              logprobs=req.logprobs)
+    except (ValueError, TypeError) as e:
+        raise Rejected("invalid_request", str(e)) from None
+
+
+def prompt_ids(req: JobRequest, engine) -> list[int]:
+    """Token ids of the prompt: chat messages through the model's chat template. Checks the length."""
+    try:
+        if req.messages is not None:
+            ids = engine.apply_chat_template([m.model_dump() for m in req.messages])
+        else:
+            ids = engine.tokenizer.encode(req.prompt)
+    except ValueError as e:
+        raise Rejected("invalid_request", str(e)) from None
+    except Exception as e:  # a template that raises on odd roles, say: the job's fault, not the worker's
+        raise Rejected("invalid_request", f"could not build the prompt: {type(e).__name__}: {e}") from None
+    if not ids:
+        raise Rejected("invalid_request", "prompt encodes to no tokens")
+    if len(ids) >= engine.max_model_len:
+        raise Rejected("prompt_too_long",
+                       f"prompt is {len(ids)} tokens; model {engine.model_name!r} takes at most "
+                       f"{engine.max_model_len} tokens in all (prompt + output), so at most "
+                       f"{engine.max_model_len - 1} prompt tokens")
+    return ids
