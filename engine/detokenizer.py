@@ -45,3 +45,11 @@ class Detokenizer:
         delta = self.text[self.sent : end]
         self.sent = end
         return delta, stopped
+
+    def resume(self, token_ids: list[int], sent_text: str) -> None:
+        """Take up output that was decoded and partly streamed elsewhere: sent_text is what readers already have."""
+        self.add(token_ids, final=False)
+        if not self.text.startswith(sent_text):
+            # The other side decoded differently (another tokenizer version, say): trust what was streamed.
+            self.text = sent_text
+        self.sent = len(sent_text)

@@ -58,8 +58,15 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         params: SamplingParams | None = None,
         priority: int = 0,
+        resume_token_ids: list[int] | None = None,
+        resume_text: str = "",
     ) -> None:
-        """Queue a request. Bad input raises ValueError and leaves the engine as it was."""
+        """Queue a request. Bad input raises ValueError and leaves the engine as it was.
+
+        resume_token_ids / resume_text: output already generated and streamed elsewhere (a crashed worker's job).
+        The prompt and those tokens are prefilled, then generation goes on where it stopped; with greedy or seeded
+        sampling the rest equals an uninterrupted run, and new_text continues right after resume_text.
+        """
         params = params or SamplingParams()
         params.validate()
         if (prompt is None) == (prompt_token_ids is None):
@@ -80,9 +87,18 @@ class LLMEngine:
             )
         if request_id in self.scheduler.by_id:
             raise ValueError(f"request id {request_id!r} is already in the engine")
+        resumed = list(resume_token_ids or [])
+        if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in resumed):
+            raise ValueError(f"resume_token_ids must be integers in [0, {self.vocab_size})")
+        if len(resumed) >= params.max_tokens or len(ids) + len(resumed) >= self.max_model_len:
+            raise ValueError("resume_token_ids leave no room for another token: the request is already complete")
         seq = Sequence(request_id, ids, params, priority, seed=self.rng.getrandbits(63))
+        detok = Detokenizer(self.tokenizer, ids, params.stop)
+        if resumed:
+            seq.token_ids.extend(resumed)
+            detok.resume(resumed, resume_text)
         self.scheduler.add(seq)
-        self.detok[request_id] = Detokenizer(self.tokenizer, ids, params.stop)
+        self.detok[request_id] = detok
 
     def abort(self, request_id: str) -> bool:
         """Drop a request now; its KV blocks are free when this returns. False if it was not in the engine."""

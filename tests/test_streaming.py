@@ -70,3 +70,20 @@ def test_smollm2_chinese_stream(smollm2):
             final = o
     assert "".join(deltas) == final.text
     assert not any("\ufffd" in x for x in deltas)
+
+
+@pytest.mark.parametrize("cut", [1, 5, 17])
+@pytest.mark.parametrize("seed", [None, 11])
+def test_resumed_request_continues_the_stream(engine, cut, seed):
+    prompt = "请讲一个关于龙的故事。"
+    params = SamplingParams(max_tokens=30, temperature=0 if seed is None else 0.9, seed=seed)
+    deltas, whole = stream(engine, prompt, params)
+    sent = "".join(deltas[:cut])
+    engine.add_request("r", prompt=prompt, params=params, resume_token_ids=whole.token_ids[:cut], resume_text=sent)
+    rest, final = [], None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            rest.append(o.new_text)
+            final = o
+    assert final.token_ids == whole.token_ids
+    assert sent + "".join(rest) == whole.text
