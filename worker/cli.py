@@ -1,16 +1,18 @@
-"""The `pagedq` command line: worker, submit, result, status, cancel, redis, models, demo."""
+"""The `pagedq` command line: worker, submit, result, status, cancel, dlq, redis, models, demo."""
 
 from __future__ import annotations
 
 import functools
 import json
 import logging
+import os
 import signal
 import sys
 import time
 
 import click
 
+from bench.cli import bench as bench_command
 from producer.ops import DEFAULT_URL
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -54,15 +56,22 @@ def main() -> None:
 @click.option("--max-prompt-chars", envvar="PAGEDQ_MAX_PROMPT_CHARS", type=int, default=1_000_000)
 @click.option("--max-tokens-limit", envvar="PAGEDQ_MAX_TOKENS_LIMIT", type=int, default=32_768,
               help="Largest max_tokens a job may ask for")
+@click.option("--max-metadata-bytes", envvar="PAGEDQ_MAX_METADATA_BYTES", type=int, default=16_384)
 @click.option("--drain-timeout", envvar="PAGEDQ_DRAIN_TIMEOUT", type=float, default=30.0,
-              help="On SIGTERM: seconds running jobs may still finish")
+              help="On SIGTERM: seconds running jobs may still finish; the rest are handed back")
+@click.option("--lease-ms", envvar="PAGEDQ_LEASE_MS", type=int, default=30_000,
+              help="A job whose lease is not renewed this long is reclaimed by another worker")
+@click.option("--max-attempts", envvar="PAGEDQ_MAX_ATTEMPTS", type=int, default=3,
+              help="Deliveries before a job goes to the dead-letter stream")
+@click.option("--dlq-cap", envvar="PAGEDQ_DLQ_CAP", type=int, default=10_000, help="Dead letters kept")
 @click.option("--metrics-port", envvar="PAGEDQ_METRICS_PORT", type=int, default=None,
               help="Serve Prometheus metrics on this port")
 @click.option("--worker-id", envvar="PAGEDQ_WORKER_ID", default=None, help="Default: hostname-pid-random")
 @click.option("--log-level", envvar="PAGEDQ_LOG_LEVEL", default="INFO")
 def worker(redis_url, queue, model, device, dtype, max_num_seqs, max_num_batched_tokens, max_model_len,
            num_kv_blocks, block_size, served_model_name, result_ttl, max_prompt_chars, max_tokens_limit,
-           drain_timeout, metrics_port, worker_id, log_level) -> None:
+           max_metadata_bytes, drain_timeout, lease_ms, max_attempts, dlq_cap, metrics_port, worker_id,
+           log_level) -> None:
     """Run one worker: pull jobs from QUEUE into the engine, stream tokens and results back."""
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     from engine import EngineConfig, LLMEngine
@@ -74,17 +83,22 @@ def worker(redis_url, queue, model, device, dtype, max_num_seqs, max_num_batched
                                     max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                     num_kv_blocks=num_kv_blocks, block_size=block_size))
     cfg = WorkerConfig(redis_url=redis_url, queue=queue, result_ttl=result_ttl, drain_timeout=drain_timeout,
+                       lease_ms=lease_ms, max_attempts=max_attempts, dlq_cap=dlq_cap,
                        served_models=tuple(served_model_name) or (model, engine.model_name),
-                       limits=Limits(max_prompt_chars=max_prompt_chars, max_tokens=max_tokens_limit),
+                       limits=Limits(max_prompt_chars=max_prompt_chars, max_tokens=max_tokens_limit,
+                                     max_metadata_bytes=max_metadata_bytes),
                        metrics_port=metrics_port)
     if worker_id:
         cfg.worker_id = worker_id
     w = Worker(engine, cfg)
 
     def on_signal(signum, frame):
-        if w.stop_event.is_set():  # a second signal: stop now
-            raise KeyboardInterrupt
-        logging.getLogger("pagedq.worker").info("signal %d: finishing running jobs, then stopping", signum)
+        log = logging.getLogger("pagedq.worker")
+        if w.stop_event.is_set():
+            # A second signal: exit now. What runs is not lost: its leases lapse and other workers resume it.
+            log.warning("signal %d again: exiting at once", signum)
+            os._exit(1)
+        log.info("signal %d: finishing running jobs (up to %.0f s), then stopping", signum, drain_timeout)
         w.stop()
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -205,6 +219,57 @@ def cancel(redis_url, queue, job_id) -> None:
             raise click.ClickException(str(e)) from None
 
 
+@main.group()
+def dlq() -> None:
+    """Dead letters: jobs given up on after too many attempts."""
+
+
+@dlq.command("list")
+@queue_options
+@click.option("--count", type=int, default=100)
+@click.option("--json", "as_json", is_flag=True)
+def dlq_list(redis_url, queue, count, as_json) -> None:
+    """The newest dead letters: job id, attempts, reason."""
+    from producer import Client
+    from producer.dlq import list_dead
+
+    with Client(redis_url, queue=queue) as c:
+        items = list_dead(c.redis, c.keys, count)
+    if as_json:
+        click.echo(json.dumps(items, indent=2))
+        return
+    for d in items:
+        click.echo(f"{d['entry']}  {d.get('id')}  attempts={d.get('attempts')}  {d.get('error')}: {d.get('reason')}")
+
+
+@dlq.command("retry")
+@queue_options
+@click.argument("job_id")
+def dlq_retry(redis_url, queue, job_id) -> None:
+    """Send a dead job back to the queue, afresh (attempts from 0)."""
+    import redis as redis_lib
+
+    from producer import Client, JobNotFound
+    from producer.dlq import retry_dead
+
+    with Client(redis_url, queue=queue) as c:
+        try:
+            click.echo(retry_dead(c.redis, c.keys, job_id))
+        except (JobNotFound, redis_lib.ResponseError) as e:
+            raise click.ClickException(str(e)) from None
+
+
+@dlq.command("purge")
+@queue_options
+def dlq_purge(redis_url, queue) -> None:
+    """Delete every dead letter of the queue."""
+    from producer import Client
+    from producer.dlq import purge_dead
+
+    with Client(redis_url, queue=queue) as c:
+        click.echo(f"purged {purge_dead(c.redis, c.keys)}")
+
+
 @main.command()
 @click.option("--port", type=int, default=None, help="Default: a free port")
 @click.option("--persist", is_flag=True, help="Keep RDB snapshots (in its temporary folder)")
@@ -251,6 +316,9 @@ def demo(model, device, num_jobs, max_tokens) -> None:
     from worker.demo import run_demo
 
     sys.exit(run_demo(model, device, num_jobs, max_tokens))
+
+
+main.add_command(bench_command)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,79 @@
+"""The `pagedq bench` command (also `python -m bench`). Imports only click until it runs."""
+
+from __future__ import annotations
+
+import signal
+
+import click
+
+WORKLOADS = ("chat", "mixed", "online", "shared-prefix")
+SYSTEMS = ("pagedq", "pagedq-redis", "hf-generate", "hf-static", "hf-cb")
+
+
+def _names(allowed: tuple[str, ...]):
+    def parse(ctx, param, value: str) -> list[str]:
+        names = [v.strip() for v in value.split(",") if v.strip()]
+        if names == ["all"]:
+            return list(allowed)
+        bad = [n for n in names if n not in allowed]
+        if bad or not names:
+            raise click.BadParameter(f"{', '.join(bad) or 'nothing'}: choose from {', '.join(allowed)} or all")
+        return names
+
+    return parse
+
+
+def _requests(ctx, param, value: tuple[str, ...]) -> dict[str, int]:
+    # "mixed=32" scales one workload; a bare "16" scales all of them.
+    out: dict[str, int] = {}
+    for item in value:
+        name, _, n = item.rpartition("=")
+        try:
+            count = int(n)
+        except ValueError:
+            raise click.BadParameter(f"{item!r}: give WORKLOAD=N or N") from None
+        if count < 1:
+            raise click.BadParameter(f"{item!r}: N must be >= 1")
+        for w in ([name] if name else WORKLOADS):
+            if w not in WORKLOADS:
+                raise click.BadParameter(f"unknown workload {w!r}")
+            out[w] = count
+    return out
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--model", default="smollm2-135m-instruct", help="Alias, local HF folder, .gguf file or hub id")
+@click.option("--device", default=None, help="cpu or cuda[:N]; default: cuda when there is one")
+@click.option("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
+@click.option("--workloads", "-w", default="chat,mixed,online,shared-prefix", callback=_names(WORKLOADS),
+              help="Comma-separated, or all")
+@click.option("--systems", "-s", default=",".join(SYSTEMS), callback=_names(SYSTEMS), help="Comma-separated, or all")
+@click.option("--quick", is_flag=True, help="A tiny smoke configuration: a few short requests per workload")
+@click.option("--requests", "-n", "num_requests", multiple=True, callback=_requests,
+              help="Requests per workload: WORKLOAD=N (repeatable) or N for all, e.g. -n mixed=32")
+@click.option("--hf-single-requests", type=int, default=None,
+              help="Requests the one-at-a-time baseline runs (a subset; default 4, 2 with --quick)")
+@click.option("--max-num-seqs", type=int, default=64, help="Batch size for every batching system")
+@click.option("--max-num-batched-tokens", type=int, default=2048)
+@click.option("--rate", type=float, default=None,
+              help="Online arrivals per second; default: 90% of the capacity measured in the same run")
+@click.option("--seed", type=int, default=0)
+@click.option("--out-dir", default="bench/results", help="Where bench.json and the PNG charts go")
+@click.option("--no-progress", is_flag=True, help="No progress bars")
+@click.option("--no-charts", is_flag=True, help="No PNG charts")
+def bench(model, device, dtype, workloads, systems, quick, num_requests, hf_single_requests, max_num_seqs,
+          max_num_batched_tokens, rate, seed, out_dir, no_progress, no_charts) -> None:
+    """Measure pagedq against transformers on one model and workload set; print ratios vs targets."""
+    from bench.run import run_bench
+
+    # SIGTERM unwinds like Ctrl-C, so that the worker subprocess and redis-server are stopped on the way out.
+    old = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        run_bench(model, device, workloads, systems, quick, out_dir, dtype=dtype, num_requests=num_requests,
+                  hf_single_requests=hf_single_requests, max_num_seqs=max_num_seqs,
+                  max_num_batched_tokens=max_num_batched_tokens, rate=rate, seed=seed,
+                  progress=not no_progress, charts=not no_charts, echo=click.echo)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    finally:
+        signal.signal(signal.SIGTERM, old)

@@ -1,0 +1,299 @@
+"""run_bench: every chosen system on every chosen workload, in one run, on one model; then ratios vs targets."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from bench import mfu, report
+from bench import workloads as wls
+from bench.result import Run
+from bench.systems import ALL, ENGINE, HF_CB, HF_SINGLE, HF_STATIC, LABELS, REDIS
+
+# Online arrivals run at this fraction of the capacity measured on a closed batch of the same shape:
+# near capacity, where queueing shows in TTFT, yet below it, so the queue does not grow without bound.
+RATE_FRACTION = 0.9
+BLOCK_SIZE = 16
+
+# name, workload, system, baseline (None: MFU), target
+TARGETS = [
+    ("chat: pagedq / HF one-at-a-time", "chat", ENGINE, HF_SINGLE, 10.0),
+    ("mixed: pagedq / HF static batching", "mixed", ENGINE, HF_STATIC, 2.0),
+    ("mixed: pagedq / HF generate_batch", "mixed", ENGINE, HF_CB, 3.0),
+    ("chat: via Redis / engine direct", "chat", REDIS, ENGINE, 0.95),
+    ("mixed: via Redis / engine direct", "mixed", REDIS, ENGINE, 0.95),
+    ("shared-prefix: via Redis / engine direct", "shared-prefix", REDIS, ENGINE, 0.95),
+    ("mixed: pagedq MFU", "mixed", ENGINE, None, 0.60),
+]
+
+
+def run_bench(
+    model: str = "smollm2-135m-instruct",
+    device: str | None = None,
+    workloads: Iterable[str] = wls.NAMES,
+    systems: Iterable[str] = ALL,
+    quick: bool = False,
+    out_dir: str | Path = "bench/results",
+    *,
+    dtype: str | None = None,
+    num_requests: dict[str, int] | None = None,
+    hf_single_requests: int | None = None,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 2048,
+    rate: float | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    charts: bool = True,
+    echo: Callable[[str], None] = print,
+) -> dict:
+    """Run the benchmark and write bench.json (and PNG charts) to `out_dir`. Returns what bench.json holds.
+
+    `num_requests` scales workloads ({"mixed": 32}); `hf_single_requests` caps the one-at-a-time baseline
+    (default 4, 2 with `quick`); `rate` fixes the online arrival rate instead of measuring capacity."""
+    workloads = list(dict.fromkeys(workloads))
+    systems = list(dict.fromkeys(systems))
+    for w in workloads:
+        if w not in wls.NAMES:
+            raise ValueError(f"unknown workload {w!r}; choose from {', '.join(wls.NAMES)}")
+    for s in systems:
+        if s not in ALL:
+            raise ValueError(f"unknown system {s!r}; choose from {', '.join(ALL)}")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_single_requests = hf_single_requests or (2 if quick else 4)
+    logging.getLogger("transformers").setLevel(logging.ERROR)  # their per-call warnings would bury the bars
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+
+    from transformers import AutoTokenizer
+
+    from engine.loader import resolve_model
+
+    folder = resolve_model(model)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    sets = {w: wls.build(w, tokenizer, quick, (num_requests or {}).get(w), seed) for w in workloads}
+    # The capacity probe for `online` gets other prompts of the same shape, so that no prefix cache is warm
+    # with the very prompts it then times.
+    probe = wls.build("online", tokenizer, quick, (num_requests or {}).get("online"), seed + 1) \
+        if "online" in sets and rate is None else None
+    kv_blocks = _kv_blocks([*sets.values(), *([probe] if probe else [])], max_num_seqs)
+    config = {"model": model, "folder": str(folder), "device": device, "dtype": dtype, "quick": quick,
+              "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+              "num_kv_blocks": kv_blocks, "block_size": BLOCK_SIZE, "seed": seed, "workloads": workloads,
+              "systems": systems, "hf_single_requests": hf_single_requests,
+              "workload_specs": {w: {**s.spec, "n": len(s.requests)} for w, s in sets.items()}}
+    data: dict = {"machine": report.machine(device), "config": config, "results": [], "ratios": []}
+    echo(f"pagedq bench: {model} ({dtype}) on {device}; workloads {', '.join(workloads)}; "
+         f"systems {', '.join(systems)}")
+    for w, s in sets.items():
+        p = [len(r.prompt_ids) for r in s.requests]
+        o = [r.max_tokens for r in s.requests]
+        echo(f"  {w}: {len(p)} requests, prompt {min(p)}-{max(p)} tokens (mean {sum(p) / len(p):.0f}), "
+             f"output {min(o)}-{max(o)} (mean {sum(o) / len(o):.0f})")
+
+    peak = mfu.matmul_peak(device, getattr(torch, dtype))
+    params = _param_counts(folder)
+    data["matmul_peak"] = peak
+    data["params"] = params
+    echo(f"  matmul peak: {peak['flops_per_s'] / 1e9:.1f} GFLOP/s ({peak['size']}^3, {peak['dtype']}); "
+         f"model: {params['total'] / 1e6:.1f} M parameters")
+
+    engine = hf = redis = None
+    redis_error = None
+    runs: list[Run] = []
+    try:
+        if ENGINE in systems:
+            engine = _load_engine(model, device, dtype, max_num_seqs, max_num_batched_tokens, kv_blocks)
+        if any(s in systems for s in (HF_SINGLE, HF_STATIC, HF_CB)):
+            hf = _load_hf(folder, device, dtype)
+        if REDIS in systems:
+            from bench.redis_path import RedisPath, Unavailable
+
+            echo("  starting redis-server and a worker...")
+            try:
+                redis = RedisPath(model, device, dtype, max_num_seqs, max_num_batched_tokens, kv_blocks,
+                                  out / "worker.log").start()
+            except Unavailable as e:
+                redis_error = str(e)
+                echo(f"  pagedq via Redis unavailable: {redis_error}")
+
+        for w, wl in sets.items():
+            # Untimed, on other prompts of the same shape: first-call costs (allocation, kernel choice,
+            # a manager's start) stay out of the figures, and no prefix cache is warm with timed prompts.
+            warm = _warm_set(w, tokenizer, quick, seed)
+            for s in systems:
+                if s != REDIS or redis is not None:
+                    _one(s, warm, engine, hf, redis, redis_error, 1, max_num_seqs, max_num_batched_tokens, False)
+            if wl.online:
+                wl = sets[w] = _online(wl, probe, rate, engine, redis, data, progress, echo)
+            for s in systems:
+                run = _one(s, wl, engine, hf, redis, redis_error, hf_single_requests, max_num_seqs,
+                           max_num_batched_tokens, progress)
+                runs.append(run)
+                summary = run.summary()
+                if run.ok:
+                    flops = mfu.model_flops(params, run.prompt_tokens, run.output_tokens)
+                    summary["model_flops_per_s"] = flops / run.elapsed
+                    summary["mfu"] = flops / run.elapsed / peak["flops_per_s"]
+                data["results"].append(summary)
+                echo(_line(summary))
+    finally:
+        if redis is not None:
+            redis.close()
+
+    data["ratios"] = ratios(data["results"], workloads)
+    echo("")
+    echo(report.table(data["results"], data["ratios"]))
+    path = report.write_json(data, out)
+    echo(f"\nwrote {path}")
+    if charts:
+        for p in report.charts(data, out):
+            echo(f"wrote {p}")
+    return data
+
+
+def _kv_blocks(sets: list[wls.Workload], max_num_seqs: int) -> int:
+    # Room for every running sequence at the longest request's full length: the same cache for the engine,
+    # the worker and (in tokens) transformers' continuous batching, and no preemption to blur the figures.
+    need = 0
+    for s in sets:
+        longest = max(len(r.prompt_ids) + r.max_tokens for r in s.requests)
+        need = max(need, min(len(s.requests), max_num_seqs) * math.ceil(longest / BLOCK_SIZE))
+    return need + max_num_seqs
+
+
+def _warm_set(name: str, tokenizer, quick: bool, seed: int) -> wls.Workload:
+    wl = wls.build(name, tokenizer, quick, 4, seed + 2)
+    wl.requests = [replace(r, id=f"warm-{r.id}", max_tokens=min(4, r.max_tokens)) for r in wl.requests]
+    return wl
+
+
+def _param_counts(folder) -> dict:
+    # Built on the meta device: counts without memory, and without depending on which systems run.
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    return mfu.param_counts(meta)
+
+
+def _load_engine(model, device, dtype, max_num_seqs, max_num_batched_tokens, kv_blocks):
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
+                                    max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=kv_blocks,
+                                    block_size=BLOCK_SIZE))
+    engine.generate(["Warm up.", "Warm up, again."], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    return engine
+
+
+def _load_hf(folder, device, dtype):
+    from bench.systems import _gen_kwargs, load_hf
+
+    model = load_hf(folder, device, dtype)
+    with torch.no_grad():
+        ids = torch.tensor([[1, 2, 3, 4]], device=model.device)
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **_gen_kwargs(model, 4))
+    return model
+
+
+def _online(wl, probe, rate, engine, redis, data, progress, echo):
+    info: dict = {"fraction": RATE_FRACTION}
+    if rate is None:
+        # Capacity: the same shape of requests, all at once, on the engine (or through Redis without one).
+        probe_run = None
+        if engine is not None:
+            probe_run = _guard(ENGINE, probe, lambda: _engine_run(engine, probe, progress))
+        elif redis is not None:
+            probe_run = _guard(REDIS, probe, lambda: redis.run(probe, progress))
+        if probe_run is None or not probe_run.ok:
+            info["error"] = "no system to measure capacity with" if probe_run is None else probe_run.note
+            data["online"] = info
+            echo(f"  online: capacity unknown ({info['error']}); arrivals all at once")
+            return wl
+        capacity = len(probe_run.outcomes) / probe_run.elapsed
+        rate = RATE_FRACTION * capacity
+        info.update(capacity_req_per_s=capacity, capacity_system=probe_run.system,
+                    capacity_output_tokens_per_s=probe_run.throughput())
+    info["rate_per_s"] = rate
+    data["online"] = info
+    echo(f"  online: Poisson arrivals at {rate:.2f} req/s"
+         + (f" ({RATE_FRACTION:.0%} of measured capacity {info['capacity_req_per_s']:.2f} req/s)"
+            if "capacity_req_per_s" in info else ""))
+    return wl.with_poisson(rate)
+
+
+def _engine_run(engine, wl, progress):
+    from bench.systems import run_engine
+
+    return run_engine(engine, wl, progress)
+
+
+def _one(s, wl, engine, hf, redis, redis_error, hf_single_requests, max_num_seqs, max_num_batched_tokens,
+         progress) -> Run:
+    from bench.systems import run_hf_cb, run_hf_single, run_hf_static
+
+    if s == REDIS and redis is None:
+        return Run(s, wl.name, status="unavailable", note=redis_error or "not started")
+    if wl.online and s not in (ENGINE, REDIS):
+        return Run(s, wl.name, status="skipped", note="offline system: no arrivals")
+    if s == ENGINE:
+        return _guard(s, wl, lambda: _engine_run(engine, wl, progress))
+    if s == REDIS:
+        return _guard(s, wl, lambda: redis.run(wl, progress))
+    if s == HF_SINGLE:
+        return _guard(s, wl, lambda: run_hf_single(hf, wl, hf_single_requests, progress))
+    if s == HF_STATIC:
+        return _guard(s, wl, lambda: run_hf_static(hf, wl, max_num_seqs, progress))
+    return _guard(s, wl, lambda: run_hf_cb(hf, wl, max_num_seqs, max_num_batched_tokens, progress))
+
+
+def _guard(system: str, wl, fn) -> Run:
+    # One system failing leaves the others' figures standing; the table says what went wrong.
+    try:
+        return fn()
+    except Exception as e:
+        logging.getLogger("pagedq.bench").debug("%s on %s failed", system, wl.name, exc_info=True)
+        return Run(system, wl.name, status="error", note=f"{type(e).__name__}: {e}"[:300])
+
+
+def _line(r: dict) -> str:
+    head = f"  {r['workload']}: {LABELS[r['system']]}"
+    if r["status"] != "ok":
+        return f"{head}: {r['status']}: {r['note']}"
+    chk = "ok" if r["checked"] else f"{r['num_mismatched']} MISMATCHED"
+    return f"{head}: {r['output_tokens_per_s']:.1f} out tok/s in {r['elapsed_s']:.1f} s, check {chk}"
+
+
+def ratios(results: list[dict], workloads: list[str]) -> list[dict]:
+    """Each target that the chosen workloads cover, measured from this run's results; pass / fail / n/a."""
+    found = {(r["workload"], r["system"]): r for r in results}
+    out = []
+    for name, w, sys_, base, target in TARGETS:
+        if w not in workloads:
+            continue
+        q = {"name": name, "workload": w, "system": sys_, "baseline": base, "target": target,
+             "kind": "mfu" if base is None else "ratio", "value": None, "why": "", "result": "n/a"}
+        a = found.get((w, sys_))
+        b = found.get((w, base)) if base else None
+        missing = [x for x, r in ((sys_, a), (base, b)) if x and (r is None or r["status"] != "ok")]
+        bad = [x for x, r in ((sys_, a), (base, b)) if r is not None and r["status"] == "ok" and not r["checked"]]
+        if missing:
+            q["why"] = f"{', '.join(missing)} did not run"
+        elif base is None:
+            q["value"] = a["mfu"]
+        else:
+            q["value"] = a["output_tokens_per_s"] / b["output_tokens_per_s"]
+        if q["value"] is not None:
+            q["result"] = "pass" if q["value"] >= target else "fail"
+            if bad:  # a figure from wrong outputs proves nothing
+                q["result"] = "fail"
+                q["why"] = f"output check failed: {', '.join(bad)}"
+        out.append(q)
+    return out
