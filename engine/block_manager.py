@@ -59,10 +59,11 @@ class BlockManager:
             hits.append(block)
         return hits
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int]) -> bool:
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int], reserve: int = 0) -> bool:
+        """Whether seq can be admitted with `reserve` blocks left over for the running ones to grow into."""
         need = self.blocks_needed(len(hits) * self.block_size + num_new_tokens) - len(hits)
         reclaimed = sum(1 for b in hits if self.ref_counts[b] == 0)  # hits sitting in the free list
-        return self.num_free_blocks - reclaimed >= need
+        return self.num_free_blocks - reclaimed >= need + reserve
 
     def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int]) -> None:
         """First admission (or re-admission after preemption): take the prefix hits, then fresh blocks."""

@@ -38,6 +38,9 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.by_id: dict[str, Sequence] = {}
+        # Blocks kept free at admission so running requests can grow a while before anyone is preempted;
+        # without it a full pool admits a request only to preempt it again a step later.
+        self.watermark = block_manager.num_blocks // 100
 
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self.by_id:
@@ -57,7 +60,8 @@ class Scheduler:
         """How many new requests could join now: free sequence slots not already promised to waiting requests,
         limited by free blocks (each new request needs at least one)."""
         slots = self.max_num_seqs - len(self.running) - len(self.waiting)
-        blocks = self.bm.num_free_blocks - sum(self.bm.blocks_needed(s.num_tokens) for s in self.waiting)
+        blocks = (self.bm.num_free_blocks - self.watermark
+                  - sum(self.bm.blocks_needed(s.num_tokens) for s in self.waiting))
         return max(0, min(slots, blocks))
 
     def schedule(self) -> SchedulerOutput:
@@ -86,7 +90,7 @@ class Scheduler:
             seq = self.waiting[0]
             hits = self.bm.match_prefix(seq)
             n = min(seq.num_tokens - len(hits) * self.bm.block_size, budget)
-            if not self.bm.can_allocate(seq, n, hits):
+            if not self.bm.can_allocate(seq, n, hits, self.watermark):
                 break
             self.waiting.pop(0)
             self.bm.allocate(seq, n, hits)

@@ -27,6 +27,42 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return g.view(*blocks.shape[:-1], -1, *cache.shape[2:])
 
 
+# Decode rows are attended in groups of about this many cached tokens: a group's gathered keys and values then
+# stay in the CPU caches, and longer sequences are not padded to the longest of the whole batch.
+GROUP_TOKENS = 4096
+
+
+def _decode(q, k_cache, v_cache, decode, starts, lens, block_table, scale, out) -> None:
+    """One-token queries, grouped by cache length; per KV head a strided bmm, so no copy besides the gather."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    group = q.shape[1] // num_kv_heads
+    order = sorted(decode, key=lens.__getitem__)
+    i = 0
+    while i < len(order):
+        j = i + 1
+        while j < len(order) and (j - i + 1) * lens[order[j]] <= GROUP_TOKENS:
+            j += 1
+        seqs = order[i:j]
+        i = j
+        n = len(seqs)
+        n_blocks = -(-lens[seqs[-1]] // block_size)
+        idx = torch.tensor(seqs, device=q.device)
+        rows = torch.tensor([starts[b] for b in seqs], device=q.device)
+        blocks = block_table[idx, :n_blocks].long().flatten()
+        k = k_cache.index_select(0, blocks).view(n, n_blocks * block_size, num_kv_heads, head_dim)
+        v = v_cache.index_select(0, blocks).view(n, n_blocks * block_size, num_kv_heads, head_dim)
+        qg = q[rows].view(n, num_kv_heads, group, head_dim)
+        lens_t = torch.tensor([lens[b] for b in seqs], device=q.device)
+        pad = (torch.arange(k.shape[1], device=q.device)[None, :] >= lens_t[:, None])[:, None, :]
+        o = torch.empty(n, num_kv_heads, group, head_dim, dtype=q.dtype, device=q.device)
+        for h in range(num_kv_heads):
+            kh = k[:, :, h].to(q.dtype)
+            scores = torch.bmm(qg[:, h], kh.transpose(1, 2)).float().mul_(scale)
+            probs = torch.softmax(scores.masked_fill_(pad, float("-inf")), dim=-1).to(q.dtype)
+            o[:, h] = torch.bmm(probs, v[:, :, h].to(q.dtype))
+        out[rows] = o.view(n, num_kv_heads * group, head_dim)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -48,22 +84,9 @@ def paged_attention(
     lens = seq_lens.tolist()
     q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
 
-    # Decode rows (one new token each) go through one batched matmul; the rest one sequence at a time.
     decode = [b for b, n in enumerate(q_lens) if n == 1]
     if decode:
-        idx = torch.tensor(decode, device=q.device)
-        rows = torch.tensor([starts[b] for b in decode], device=q.device)
-        n_blocks = -(-max(lens[b] for b in decode) // block_size)
-        blocks = block_table[idx, :n_blocks].long()
-        k = _gather(k_cache, blocks).to(q.dtype)  # [Bd, L, Hkv, D]
-        v = _gather(v_cache, blocks).to(q.dtype)
-        qd = q[rows].view(len(decode), num_kv_heads, group, head_dim)
-        scores = torch.matmul(qd, k.permute(0, 2, 3, 1)) * scale  # [Bd, Hkv, G, L]
-        pad = torch.arange(k.shape[1], device=q.device)[None, :] >= seq_lens[idx].long()[:, None]
-        scores = scores.float().masked_fill(pad[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        o = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [Bd, Hkv, G, D]
-        out[rows] = o.reshape(len(decode), num_heads, head_dim)
+        _decode(q, k_cache, v_cache, decode, starts, lens, block_table, scale, out)
 
     for b, q_len in enumerate(q_lens):
         if q_len <= 1:
