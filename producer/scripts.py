@@ -5,12 +5,14 @@ from __future__ import annotations
 from functools import cache
 from importlib import resources
 
-NAMES = ("submit", "start", "publish", "complete", "fail", "cancel")
+NAMES = ("submit", "start", "publish", "complete", "fail", "cancel", "renew", "release", "retry")
 
 
 @cache
 def source(name: str) -> str:
-    return resources.files("producer").joinpath("scripts", f"{name}.lua").read_text()
+    # lib.lua holds local helpers; Redis has no includes, so every script carries a copy.
+    files = resources.files("producer").joinpath("scripts")
+    return files.joinpath("lib.lua").read_text() + files.joinpath(f"{name}.lua").read_text()
 
 
 class Scripts:

@@ -97,3 +97,39 @@ def start_worker(redis_url, tmp_path):
         if p.returncode not in (0, -15):
             print(f"worker exited with {p.returncode}:\n{out[-5000:]}")
 # ---- end of producer / worker fixtures ----
+
+# ---- fault tests (issue 5): helpers shared by tests/test_fault_*.py ----
+@pytest.fixture(scope="session")
+def pq_reference(pq_tiny_model):
+    """pq_reference(requests) -> [(token_ids, text)] of an undisturbed run of the engine on JobRequests,
+    with the worker's sampling parameters (its derived seeds included)."""
+    from engine import EngineConfig, LLMEngine
+    from worker.validate import sampling_params
+
+    eng = LLMEngine(EngineConfig(model=pq_tiny_model, max_num_seqs=16, num_kv_blocks=512, max_model_len=256))
+
+    def run(reqs):
+        outs = eng.generate([r.prompt for r in reqs], [sampling_params(r) for r in reqs])
+        return [(o.token_ids, o.text) for o in outs]
+
+    return run
+
+
+@pytest.fixture
+def pq_check_stream(rds):
+    """pq_check_stream(client, result) -> number of token events: asserts the job's event stream holds its
+    tokens exactly once, in order, then exactly one terminal event, last."""
+    from producer.ops import parse_event
+
+    def check(client, res) -> int:
+        events = [parse_event(eid, f) for eid, f in rds.xrange(client.keys.events(res.id))]
+        assert events and events[-1].terminal, (res.id, [e.type for e in events])
+        assert sum(e.terminal for e in events) == 1, (res.id, [e.type for e in events])
+        toks = events[:-1]
+        assert [t for e in toks for t in e.token_ids] == res.token_ids, res.id
+        assert "".join(e.text for e in toks) == res.text, res.id
+        return len(toks)
+
+    return check
+# ---- end of fault test helpers ----
+

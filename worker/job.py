@@ -23,20 +23,24 @@ class RunningJob:
     first_token_at: float | None = None
     last: object | None = None  # the latest RequestOutput: running totals for a cancelled job's partial result
     logprobs: list[TokenLogprob] | None = None  # filled by the publisher, in step order
+    emitted: int = 0  # output tokens in its event stream (those of earlier deliveries included)
+    resume_ids: list[int] | None = None  # output an earlier delivery streamed, that this one continues
+    resume_text: str = ""
 
     def result(self, status: str, worker: str, model: str | None, finished_at: float, out=None,
                finish_reason: str | None = None, error: ErrorInfo | None = None) -> JobResult:
         out = out if out is not None else self.last
         if finish_reason is None and out is not None:
             finish_reason = FINISH.get(out.finish_reason or "")
+        ids = list(out.token_ids) if out is not None else list(self.resume_ids or [])
         return JobResult(
             id=self.id,
             status=status,
-            text=out.text if out is not None else "",
-            token_ids=list(out.token_ids) if out is not None else [],
+            text=out.text if out is not None else self.resume_text,
+            token_ids=ids,
             finish_reason=finish_reason,
             usage=Usage(prompt_tokens=self.prompt_tokens,
-                        completion_tokens=len(out.token_ids) if out is not None else 0,
+                        completion_tokens=len(ids),
                         cached_tokens=out.num_cached_tokens if out is not None else 0),
             timings=Timings(enqueued_at=self.enqueued_at, started_at=self.started_at,
                             first_token_at=self.first_token_at, finished_at=finished_at),

@@ -33,12 +33,13 @@ class RedisServer:
     """`with RedisServer() as srv: srv.url`. Persistence is off unless `persist` is set."""
 
     def __init__(self, port: int | None = None, binary: str | None = None, persist: bool = False,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", aof: bool = False) -> None:
         self.binary = binary or find_binary()
         self.host = host
         self.fixed_port = port is not None
         self.port = port or free_port()
         self.persist = persist
+        self.aof = aof  # append-only file, fsync on every write: a restart loses nothing
         self.proc: subprocess.Popen | None = None
         self.dir: tempfile.TemporaryDirectory | None = None
 
@@ -54,12 +55,24 @@ class RedisServer:
             self.port = free_port()
         raise RuntimeError(f"redis-server could not bind a port{self.log()}")
 
-    def _start(self, timeout: float) -> bool:
-        self.dir = tempfile.TemporaryDirectory(prefix="pagedq-redis-")
+    def restart(self, down_s: float = 0.0, timeout: float = 10.0) -> None:
+        """Stop the server (SIGTERM: it syncs its AOF), wait `down_s`, start it again on the same port and
+        folder, so that it reloads its data."""
+        self.proc.terminate()
+        self.proc.wait(10)
+        time.sleep(down_s)
+        if not self._start(timeout, keep_dir=True):
+            raise RuntimeError(f"redis-server could not bind port {self.port} again{self.log()}")
+
+    def _start(self, timeout: float, keep_dir: bool = False) -> bool:
+        if not keep_dir:
+            self.dir = tempfile.TemporaryDirectory(prefix="pagedq-redis-")
         args = [self.binary, "--port", str(self.port), "--bind", self.host, "--dir", self.dir.name,
                 "--daemonize", "no", "--protected-mode", "no", "--loglevel", "warning",
                 "--logfile", f"{self.dir.name}/redis.log"]
-        if not self.persist:
+        if self.aof:
+            args += ["--save", "", "--appendonly", "yes", "--appendfsync", "always"]
+        elif not self.persist:
             args += ["--save", "", "--appendonly", "no"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis_lib.Redis(host=self.host, port=self.port, socket_connect_timeout=0.5)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 from pydantic import ValidationError
 
 from engine import SamplingParams
@@ -42,10 +44,17 @@ def parse(fields: dict, job_id: str, limits: Limits, served: set[str]) -> JobReq
     return req
 
 
+def job_seed(job_id: str) -> int:
+    """The sampling seed of a job that gives none: fixed by its id, so that a job resumed on another worker
+    draws exactly what an uninterrupted run would have."""
+    return int.from_bytes(hashlib.sha256(job_id.encode()).digest()[:8], "big") >> 1
+
+
 def sampling_params(req: JobRequest) -> SamplingParams:
+    seed = req.seed if req.seed is not None else job_seed(req.id)
     try:
         return SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                              top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=list(req.stop),
+                              top_k=req.top_k, min_p=req.min_p, seed=seed, stop=list(req.stop),
                               stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
                               logprobs=req.logprobs)
     except (ValueError, TypeError) as e:

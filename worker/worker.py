@@ -21,9 +21,11 @@ from producer.keys import ENTRY_ID, GROUP, Keys
 from producer.protocol import Limits
 from producer.scripts import Scripts
 from worker.job import RunningJob
+from worker.leases import LeaseKeeper
 from worker.metrics import Metrics
 from worker.pipeline import evalsha_all
 from worker.publisher import Publisher
+from worker.resume import read_output
 from worker.validate import Rejected, parse, prompt_ids, sampling_params
 
 log = logging.getLogger("pagedq.worker")
@@ -39,9 +41,12 @@ class WorkerConfig:
     queue: str = "default"
     worker_id: str = field(default_factory=make_worker_id)
     result_ttl: int = 24 * 3600  # seconds; the event stream and the job hash live as long
-    lease_ms: int = 60_000
+    lease_ms: int = 30_000  # a job whose lease is not renewed for this long is reclaimed by another worker
+    max_attempts: int = 3  # deliveries that did not finish before a job goes to the dead-letter stream
+    dlq_cap: int = 10_000  # dead letters kept per queue
     block_ms: int = 1000  # longest idle XREADGROUP BLOCK: how often an idle worker looks at its stop flag
-    drain_timeout: float = 30.0  # on stop: how long running jobs may still finish
+    socket_timeout: float = 10.0  # a Redis reply that takes longer is a dead connection: reconnect
+    drain_timeout: float = 30.0  # on stop: how long running jobs may still finish before they are handed back
     served_models: tuple[str, ...] = ()  # names a request's `model` may use; empty: the engine's model name
     limits: Limits = field(default_factory=Limits)
     metrics_port: int | None = None
@@ -53,7 +58,11 @@ class Worker:
         self.cfg = config
         self.id = config.worker_id
         self.keys = Keys(config.queue)
-        self.r = redis or redis_lib.Redis.from_url(config.redis_url, decode_responses=True)
+        # socket_timeout cuts a read that never returns (a half-open connection); it must exceed block_ms.
+        self.r = redis or redis_lib.Redis.from_url(
+            config.redis_url, decode_responses=True, socket_timeout=max(config.socket_timeout,
+                                                                        config.block_ms / 1000 + 2),
+            socket_connect_timeout=5, socket_keepalive=True)
         self.scripts = Scripts(self.r)
         self.metrics = Metrics(config.queue, config.metrics_port)
         self.served = set(config.served_models) or {engine.model_name}
@@ -61,9 +70,14 @@ class Worker:
         self.active: dict[str, RunningJob] = {}
         self.stop_event = threading.Event()
         self.publisher = Publisher(self.r, self.keys, self.scripts, self.id, self.model, config.result_ttl,
-                                   self.metrics)
+                                   self.metrics, config.max_attempts, config.dlq_cap)
+        self.leases = LeaseKeeper(self.r, self.keys, self.scripts, self.id, config.lease_ms,
+                                  lambda: list(self.active.copy().values()), self.publisher.notices)
         self.steps = 0
-        self.next_deadline_check = 0.0
+        self.next_reap = 0.0
+        self.reap_cursor = "0-0"
+        # Test hook (fault tests): a job whose prompt holds this marker fails in the worker on every delivery.
+        self.poison = os.environ.get("PAGEDQ_FAULT_POISON") or None
 
     def stop(self) -> None:
         """Ask the loop to stop taking jobs; it finishes what it runs (up to drain_timeout), then returns."""
@@ -74,6 +88,7 @@ class Worker:
     def run(self) -> None:
         self._setup()
         self.publisher.start()
+        self.leases.start()
         log.info("worker %s on queue %r serving %s", self.id, self.cfg.queue, self.model)
         eng = self.engine
         drain_end = None
@@ -88,9 +103,10 @@ class Worker:
                     self._intake()
                 if eng.has_unfinished_requests():
                     self._step()
-            self._abandon("worker_shutdown", "the worker shut down before the job finished")
+            self._hand_back()
         finally:
             self.publisher.close()
+            self.leases.close()
             log.info("worker %s stopped after %d steps", self.id, self.steps)
 
     def _setup(self) -> None:
@@ -110,8 +126,12 @@ class Worker:
                 self.publisher.wait_acks(self.publisher.pending_acks, 0.05)
             return
         try:
+            if time.monotonic() >= self.next_reap:
+                room -= self._reap(room)
+                if room <= 0:
+                    return
             reply = self.r.xreadgroup(GROUP, self.id, {self.keys.jobs: ">"}, count=room,
-                                      block=self.cfg.block_ms if idle else None)
+                                      block=min(self.cfg.block_ms, self.cfg.lease_ms // 2) if idle else None)
             if reply:
                 self._admit(reply[0][1])
         except (redis_lib.ConnectionError, redis_lib.TimeoutError) as e:
@@ -119,6 +139,21 @@ class Worker:
             log.warning("intake: redis unreachable (%s)", e)
             if idle:
                 time.sleep(1.0)
+
+    def _reap(self, room: int) -> int:
+        """Take over entries whose holder stopped renewing (crashed, frozen, cut off); returns how many."""
+        self.next_reap = time.monotonic() + self.cfg.lease_ms / 2000
+        reply = self.r.xautoclaim(self.keys.jobs, GROUP, self.id, self.cfg.lease_ms, self.reap_cursor,
+                                  count=room)
+        self.reap_cursor, entries = reply[0], reply[1]
+        gone = [e for e, f in entries if f is None]
+        if gone:  # deleted while pending (cancelled while queued): nothing to run; clear them from the PEL
+            self.r.xack(self.keys.jobs, GROUP, *gone)
+        entries = [(e, f) for e, f in entries if f is not None]
+        if entries:
+            log.info("reaper: reclaimed %d stalled jobs", len(entries))
+            self._admit(entries)
+        return len(entries)
 
     def _admit(self, entries: list) -> None:
         now = time.time()
@@ -129,24 +164,45 @@ class Worker:
             job_id = fields.get(ENTRY_ID) or entry
             lease = secrets.token_hex(8)
             taken.append((entry, fields, job_id, lease))
-            calls.append(("start", [self.keys.job(job_id), self.keys.jobs],
-                          [GROUP, entry, lease, self.id, self.cfg.lease_ms, repr(now)]))
+            k = self.keys
+            calls.append(("start", [k.job(job_id), k.jobs, k.events(job_id), k.result(job_id), k.dlq],
+                          [GROUP, entry, lease, self.id, self.cfg.lease_ms, repr(now), self.cfg.max_attempts,
+                           self.cfg.result_ttl, self.cfg.dlq_cap]))
         replies = evalsha_all(self.r, self.scripts, calls)
         for (entry, fields, job_id, lease), reply in zip(taken, replies, strict=True):
             if isinstance(reply, Exception):
                 log.error("job %s: start failed: %s", job_id, reply)
                 continue
+            if reply[0] == "busy":
+                continue
+            if reply[0] == "dead":
+                log.warning("job %s: dead-lettered after %s deliveries", job_id, reply[1])
+                self.metrics.job_done("failed")
+                continue
             if reply[0] != "ok":
                 log.info("job %s: skipped (%s)", job_id, reply[1])
                 continue
+            old = self.active.get(job_id)
+            if old is not None:  # our own job, reclaimed after our renewals failed: run it afresh from its stream
+                self._drop(job_id)
             enq = float(reply[2]) if reply[2] else None
             job = RunningJob(id=job_id, entry=entry, lease=lease, attempts=int(reply[1]), enqueued_at=enq,
                              started_at=now)
             try:
+                if int(reply[3]):
+                    job.resume_ids, job.resume_text = read_output(self.r, self.keys, job_id)
+                    job.emitted = len(job.resume_ids)
+                    log.info("job %s: resuming after %d tokens (attempt %d)", job_id, job.emitted, job.attempts)
                 self._add(job, fields, now)
             except Rejected as e:
                 log.info("job %s rejected: %s: %s", job_id, e.type, e.message)
                 self.publisher.fail(job, e.type, e.message)
+            except Exception as e:
+                # Not the request's fault as far as we know: another delivery may pass; repeated, it dead-letters.
+                log.exception("job %s: failed in the worker", job_id)
+                self.active.pop(job_id, None)
+                self.engine.abort(job_id)
+                self.publisher.release(job, "retry", "worker_error", f"{type(e).__name__}: {e}")
 
     def _add(self, job: RunningJob, fields: dict, now: float) -> None:
         req = job.request = parse(fields, job.id, self.cfg.limits, self.served)
@@ -155,11 +211,19 @@ class Worker:
             if now >= job.deadline:
                 self.publisher.end(job, "expired", "expired")
                 return
+        if self.poison and self.poison in (req.prompt or ""):
+            raise RuntimeError("poison job (PAGEDQ_FAULT_POISON test hook)")
         params = sampling_params(req)
         ids = prompt_ids(req, self.engine)
         job.prompt_tokens = len(ids)
+        if job.resume_ids and (len(job.resume_ids) >= req.max_tokens
+                               or len(ids) + len(job.resume_ids) >= self.engine.max_model_len):
+            # Its last delivery streamed every token it may have but died before the result: finish it here.
+            self.publisher.end(job, "completed", "length")
+            return
         try:
-            self.engine.add_request(job.id, prompt_token_ids=ids, params=params, priority=req.priority)
+            self.engine.add_request(job.id, prompt_token_ids=ids, params=params, priority=req.priority,
+                                    resume_token_ids=job.resume_ids, resume_text=job.resume_text)
         except ValueError as e:
             raise Rejected("invalid_request", str(e)) from None
         self.active[job.id] = job
@@ -189,16 +253,15 @@ class Worker:
             job.last = out
             if out.finished:
                 del self.active[out.request_id]
-            items.append((job, out))
+            items.append((job, out, job.emitted))
+            job.emitted += len(out.new_token_ids)
         if items:
             self.publisher.step(items, now)
         self.metrics.tokens.inc(ntok)
         self.metrics.running.set(len(self.active))
-        if now >= self.next_deadline_check:
-            self._expire(now)
+        self._expire(now)
 
     def _expire(self, now: float) -> None:
-        self.next_deadline_check = now + 0.5
         for job in [j for j in self.active.values() if j.deadline is not None and now >= j.deadline]:
             self._drop(job.id)
             self.publisher.end(job, "expired", "expired")
@@ -206,14 +269,15 @@ class Worker:
     def _notices(self) -> None:
         notices = self.publisher.notices
         while not notices.empty():
-            kind, job_id = notices.get_nowait()
-            job = self._drop(job_id)
-            if job is None:
+            kind, job_id, lease = notices.get_nowait()
+            held = self.active.get(job_id)
+            if held is None or held.lease != lease:  # about an earlier delivery of the job: stale
                 continue
+            job = self._drop(job_id)
             if kind == "cancel":
                 self.publisher.end(job, "cancelled", "cancelled")
             else:
-                log.warning("job %s: lease lost; dropped", job_id)
+                log.warning("job %s: lease lost; dropped from the batch", job_id)
 
     def _drop(self, job_id: str) -> RunningJob | None:
         job = self.active.pop(job_id, None)
@@ -221,6 +285,13 @@ class Worker:
             self.engine.abort(job_id)
             self.metrics.running.set(len(self.active))
         return job
+
+    def _hand_back(self) -> None:
+        """Give the jobs still running back to the queue, with their tokens so far: another worker resumes them."""
+        if self.active:
+            log.info("handing %d unfinished jobs back to the queue", len(self.active))
+        for job_id in list(self.active):
+            self.publisher.release(self._drop(job_id), "handback")
 
     def _abandon(self, type: str, message: str) -> None:
         for job_id in list(self.active):

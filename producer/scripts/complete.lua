@@ -1,6 +1,6 @@
--- complete: a worker finishes a job it holds: the final result (with a TTL), the terminal event, the job's
--- state, and the XACK of its stream entry, in one step. Also used for a running job that ends cancelled or
--- expired.
+-- complete: a worker finishes a job it holds: the last token chunk, the final result (with a TTL), the
+-- terminal event, the job's state, and the XACK of its stream entry, in one step, so that no crash can leave a
+-- stream with all its tokens but no end. Also used for a running job that ends cancelled or expired.
 --
 -- KEYS[1]  job hash      pq:{q}:job:<id>
 -- KEYS[2]  event stream  pq:{q}:events:<id>
@@ -13,19 +13,29 @@
 -- ARGV[5]  terminal event type: done | cancelled | error
 -- ARGV[6]  JobResult as JSON
 -- ARGV[7]  TTL of the result, event stream and job hash, seconds
+-- ARGV[8]  last token event JSON, or "" (or absent) for none
+-- ARGV[9]  its offset (output tokens before it)
 --
--- Returns: 1.
+-- Returns: 1 done; 0 done before (a retried call whose reply was lost).
 -- Error replies:
 --   "LEASE_LOST job <hash key>": the caller no longer holds the job; nothing was written.
-if redis.call('HGET', KEYS[1], 'lease') ~= ARGV[1] or redis.call('HGET', KEYS[1], 'state') ~= 'running' then
+local lease, state, emitted = unpack(redis.call('HMGET', KEYS[1], 'lease', 'state', 'emitted'))
+if lease ~= ARGV[1] then
+  return redis.error_reply('LEASE_LOST job ' .. KEYS[1])
+end
+if state ~= 'running' then
+  if state == ARGV[4] then return 0 end
   return redis.error_reply('LEASE_LOST job ' .. KEYS[1])
 end
 local ttl = tonumber(ARGV[7])
+if ARGV[8] and ARGV[8] ~= '' and tonumber(emitted or 0) <= tonumber(ARGV[9]) then
+  redis.call('XADD', KEYS[2], '*', 'e', ARGV[8])
+end
 redis.call('SET', KEYS[3], ARGV[6], 'EX', ttl)
 redis.call('XADD', KEYS[2], '*', 'e', '{"type":"' .. ARGV[5] .. '","result":' .. ARGV[6] .. '}')
 redis.call('EXPIRE', KEYS[2], ttl)
 redis.call('HSET', KEYS[1], 'state', ARGV[4])
-redis.call('HDEL', KEYS[1], 'lease', 'lease_until_ms', 'cancel')
+redis.call('HDEL', KEYS[1], 'lease_until_ms', 'cancel')
 redis.call('EXPIRE', KEYS[1], ttl)
 redis.call('XACK', KEYS[4], ARGV[2], ARGV[3])
 redis.call('XDEL', KEYS[4], ARGV[3])

@@ -11,10 +11,15 @@
 -- ARGV[4]  JobResult as JSON (status failed, error set)
 -- ARGV[5]  TTL of the result, event stream and job hash, seconds
 --
--- Returns: 1.
+-- Returns: 1 done; 0 done before (a retried call whose reply was lost).
 -- Error replies:
 --   "LEASE_LOST job <hash key>": the caller no longer holds the job; nothing was written.
-if redis.call('HGET', KEYS[1], 'lease') ~= ARGV[1] or redis.call('HGET', KEYS[1], 'state') ~= 'running' then
+local lease, state = unpack(redis.call('HMGET', KEYS[1], 'lease', 'state'))
+if lease ~= ARGV[1] then
+  return redis.error_reply('LEASE_LOST job ' .. KEYS[1])
+end
+if state ~= 'running' then
+  if state == 'failed' then return 0 end
   return redis.error_reply('LEASE_LOST job ' .. KEYS[1])
 end
 local ttl = tonumber(ARGV[5])
@@ -22,7 +27,7 @@ redis.call('SET', KEYS[3], ARGV[4], 'EX', ttl)
 redis.call('XADD', KEYS[2], '*', 'e', '{"type":"error","result":' .. ARGV[4] .. '}')
 redis.call('EXPIRE', KEYS[2], ttl)
 redis.call('HSET', KEYS[1], 'state', 'failed')
-redis.call('HDEL', KEYS[1], 'lease', 'lease_until_ms', 'cancel')
+redis.call('HDEL', KEYS[1], 'lease_until_ms', 'cancel')
 redis.call('EXPIRE', KEYS[1], ttl)
 redis.call('XACK', KEYS[4], ARGV[2], ARGV[3])
 redis.call('XDEL', KEYS[4], ARGV[3])

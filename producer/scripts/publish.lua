@@ -1,21 +1,35 @@
 -- publish: append one step's token chunks to the event streams of several jobs, in one call. Each job's
--- write is guarded by its lease token; the reply also tells the worker which jobs a client asked to cancel,
--- so that cancellation costs no extra round trip.
+-- write is guarded by its lease token and by its token offset: a chunk is written only if the stream holds
+-- exactly `offset` output tokens before it, so a retried call (the reply was lost) writes nothing twice. The
+-- reply also tells the worker which jobs a client asked to cancel, so cancellation costs no extra round trip.
 --
 -- KEYS     per job, 2 keys: job hash pq:{q}:job:<id>, event stream pq:{q}:events:<id>
--- ARGV     per job, 2 args: lease token, token event JSON
+-- ARGV     per chunk, 4 args: lease token, offset (output tokens before this chunk), number of tokens in it,
+--          token event JSON. Also taken: 2 args per chunk (lease token, event JSON), unguarded by offset, as
+--          written before offsets existed.
 --
--- Returns: per job, in order, an integer: 0 written; 1 written, and a cancel was requested;
---          -1 lease lost (another worker holds the job, or it finished): nothing written.
+-- Returns: per chunk, in order, an integer: 0 written (or written before); 1 the same, and a cancel was
+--          requested; -1 refused: lease lost (another worker holds the job, or it finished), or a gap (an
+--          earlier chunk is missing): nothing written.
 -- Error replies: none.
 local out = {}
+local stride = #ARGV / (#KEYS / 2)
 for i = 1, #KEYS / 2 do
   local job, events = KEYS[2 * i - 1], KEYS[2 * i]
-  local lease, cancel, state = unpack(redis.call('HMGET', job, 'lease', 'cancel', 'state'))
-  if lease ~= ARGV[2 * i - 1] or state ~= 'running' then
+  local a = stride * (i - 1)
+  local lease, cancel, state, emitted = unpack(redis.call('HMGET', job, 'lease', 'cancel', 'state', 'emitted'))
+  emitted = tonumber(emitted or 0)
+  local offset, n, ev = emitted, 0, ARGV[a + 2]
+  if stride == 4 then
+    offset, n, ev = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), ARGV[a + 4]
+  end
+  if lease ~= ARGV[a + 1] or state ~= 'running' or emitted < offset then
     out[i] = -1
   else
-    redis.call('XADD', events, '*', 'e', ARGV[2 * i])
+    if emitted == offset then
+      redis.call('XADD', events, '*', 'e', ev)
+      redis.call('HSET', job, 'emitted', offset + n)
+    end
     out[i] = cancel and 1 or 0
   end
 end

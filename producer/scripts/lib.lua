@@ -1,0 +1,37 @@
+-- lib: helpers prepended to every script (scripts.py joins them), so that a dead letter is written the same
+-- way wherever a job is given up on.
+--
+-- dead_letter(k, job_id, entry, group, etype, reason, attempts, ttl, cap, worker)
+--   k: {job=, jobs=, events=, result=, dlq=} key names. Copies the job's payload from its stream entry to the
+--   dead-letter stream (capped near `cap` entries), writes the failed result and the terminal "error" event
+--   (with `ttl`), and acks and deletes the entry. Returns the result JSON.
+local function dead_letter(k, job_id, entry, group, etype, reason, attempts, ttl, cap, worker)
+  local payload = ''
+  local e = redis.call('XRANGE', k.jobs, entry, entry)
+  if e[1] then
+    local f = e[1][2]
+    for i = 1, #f, 2 do
+      if f[i] == 'job' then payload = f[i + 1] end
+    end
+  end
+  local t = redis.call('TIME')
+  redis.call('XADD', k.dlq, 'MAXLEN', '~', cap, '*', 'id', job_id, 'error', etype, 'reason', reason,
+    'attempts', attempts, 'worker', worker, 'at', t[1], 'job', payload)
+  local res = cjson.encode({id = job_id, status = 'failed', finish_reason = 'error', attempts = tonumber(attempts),
+    worker = worker, error = {type = etype, message = reason}})
+  redis.call('SET', k.result, res, 'EX', ttl)
+  redis.call('XADD', k.events, '*', 'e', '{"type":"error","result":' .. res .. '}')
+  redis.call('EXPIRE', k.events, ttl)
+  redis.call('HSET', k.job, 'state', 'failed')
+  redis.call('HDEL', k.job, 'lease_until_ms', 'cancel')
+  redis.call('EXPIRE', k.job, ttl)
+  redis.call('XACK', k.jobs, group, entry)
+  redis.call('XDEL', k.jobs, entry)
+  return res
+end
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
