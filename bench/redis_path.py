@@ -154,13 +154,9 @@ class RedisPath:
             self.client.close()
             self.client = None
         if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.terminate()
-                try:
-                    self.proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
+            from worker.redis_server import stop_process
+
+            stop_process(self.proc, 30)
             self.proc = None
         if self.server is not None:
             self.server.stop()

@@ -44,17 +44,7 @@ class AsyncClient:
             keys, args = ops.submit_call(self.keys, req)
             await self.scripts.submit(keys, args, client=pipe)
         replies = await pipe.execute(raise_on_error=False)
-        jobs, dups = [], []
-        for req, reply in zip(reqs, replies, strict=True):
-            if isinstance(reply, ResponseError) and ops.is_duplicate(reply):
-                dups.append(req.id)
-            elif isinstance(reply, Exception):
-                raise reply
-            else:
-                jobs.append(AsyncJob(self, req.id))
-        if dups:
-            raise ops.duplicate_error(dups, jobs)
-        return jobs
+        return ops.submitted(reqs, replies, lambda job_id: AsyncJob(self, job_id))
 
     def job(self, job_id: str) -> AsyncJob:
         return AsyncJob(self, job_id)

@@ -48,17 +48,7 @@ class Client:
             keys, args = ops.submit_call(self.keys, req)
             self.scripts.submit(keys, args, client=pipe)
         replies = pipe.execute(raise_on_error=False)
-        jobs, dups = [], []
-        for req, reply in zip(reqs, replies, strict=True):
-            if isinstance(reply, ResponseError) and ops.is_duplicate(reply):
-                dups.append(req.id)
-            elif isinstance(reply, Exception):
-                raise reply
-            else:
-                jobs.append(Job(self, req.id))
-        if dups:
-            raise ops.duplicate_error(dups, jobs)
-        return jobs
+        return ops.submitted(reqs, replies, lambda job_id: Job(self, job_id))
 
     def job(self, job_id: str) -> Job:
         return Job(self, job_id)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
+
+from redis.exceptions import ResponseError
 
 from producer.errors import DuplicateJobError, JobNotFound
 from producer.keys import EVENT_FIELD, Keys
@@ -51,6 +53,21 @@ def is_duplicate(err: BaseException) -> bool:
 
 def duplicate_error(ids: list[str], jobs: list) -> DuplicateJobError:
     return DuplicateJobError(f"job id already exists: {', '.join(ids)}", ids, jobs)
+
+
+def submitted(reqs: list[JobRequest], replies: list, make_job: Callable[[str], Any]) -> list:
+    """The jobs of a pipelined submit_many; a duplicate id anywhere raises once, naming all of them."""
+    jobs, dups = [], []
+    for req, reply in zip(reqs, replies, strict=True):
+        if isinstance(reply, ResponseError) and is_duplicate(reply):
+            dups.append(req.id)
+        elif isinstance(reply, Exception):
+            raise reply
+        else:
+            jobs.append(make_job(req.id))
+    if dups:
+        raise duplicate_error(dups, jobs)
+    return jobs
 
 
 def cancel_call(keys: Keys, job_id: str, ttl: int) -> tuple[list[str], list[Any]]:

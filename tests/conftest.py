@@ -72,6 +72,8 @@ def start_worker(redis_url, tmp_path):
     import subprocess
     import sys
 
+    from worker.redis_server import stop_process
+
     procs = []
 
     def start(queue: str, model: str, *flags: str, env: dict | None = None):
@@ -85,12 +87,7 @@ def start_worker(redis_url, tmp_path):
 
     yield start
     for p in procs:
-        p.terminate()
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        stop_process(p, 30)
         p.log.seek(0)
         out = p.log.read()
         p.log.close()

@@ -24,20 +24,24 @@ class ScriptWorker:
     def take(self) -> tuple[str, str, str]:
         (_, [(entry, fields)]), = self.r.xreadgroup(GROUP, "w1", {self.k.jobs: ">"}, count=1)
         jid = fields["id"]
-        status, *_ = self.s.start([self.k.job(jid), self.k.jobs], [GROUP, entry, "lease-1", "w1", 60000, 1.0])
+        status, *_ = self.s.start(self.start_keys(jid), [GROUP, entry, "lease-1", "w1", 60000, 1.0, 3, 60, 100])
         return jid, entry, status
+
+    def start_keys(self, jid: str) -> list[str]:
+        return [self.k.job(jid), self.k.jobs, self.k.events(jid), self.k.result(jid), self.k.dlq]
 
     def tokens(self, jid: str, texts: list[str], lease: str = "lease-1") -> list[int]:
         keys, args = [], []
+        emitted = int(self.r.hget(self.k.job(jid), "emitted") or 0)
         for i, t in enumerate(texts):
             keys += [self.k.job(jid), self.k.events(jid)]
-            args += [lease, f'{{"type":"token","text":"{t}","token_ids":[{i}]}}']
+            args += [lease, emitted + i, 1, f'{{"type":"token","text":"{t}","token_ids":[{emitted + i}]}}']
         return self.s.publish(keys, args)
 
     def complete(self, jid: str, entry: str, text: str, lease: str = "lease-1") -> None:
         res = JobResult(id=jid, status="completed", text=text, finish_reason="stop")
         self.s.complete([self.k.job(jid), self.k.events(jid), self.k.result(jid), self.k.jobs],
-                        [lease, GROUP, entry, "completed", "done", res.model_dump_json(), 60])
+                        [lease, GROUP, entry, "completed", "done", res.model_dump_json(), 60, "", 0])
 
 
 @pytest.fixture
@@ -127,7 +131,7 @@ def test_start_skips_cancelled_entry(client, rds):
     w = ScriptWorker(rds, client)
     (_, [(entry, _)]), = rds.xreadgroup(GROUP, "w1", {client.keys.jobs: ">"}, count=1)
     job.cancel()
-    status = w.s.start([client.keys.job(job.id), client.keys.jobs], [GROUP, entry, "l", "w1", 1000, 1.0])
+    status = w.s.start(w.start_keys(job.id), [GROUP, entry, "l", "w1", 1000, 1.0, 3, 60, 100])
     assert status == ["skip", "cancelled"]
     assert rds.xpending(client.keys.jobs, GROUP)["pending"] == 0
 

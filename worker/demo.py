@@ -11,7 +11,7 @@ import time
 import click
 
 from producer import Client
-from worker.redis_server import RedisServer
+from worker.redis_server import RedisServer, stop_process
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -36,11 +36,7 @@ def run_demo(model: str, device: str, num_jobs: int, max_tokens: int) -> int:
         try:
             return _jobs(Client(srv.url, queue="demo"), proc, log.name, num_jobs, max_tokens)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_process(proc, 30)
 
 
 def _jobs(c: Client, proc: subprocess.Popen, log_path: str, num_jobs: int, max_tokens: int) -> int:

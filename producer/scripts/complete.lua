@@ -13,7 +13,7 @@
 -- ARGV[5]  terminal event type: done | cancelled | error
 -- ARGV[6]  JobResult as JSON
 -- ARGV[7]  TTL of the result, event stream and job hash, seconds
--- ARGV[8]  last token event JSON, or "" (or absent) for none
+-- ARGV[8]  last token event JSON, or "" for none
 -- ARGV[9]  its offset (output tokens before it)
 --
 -- Returns: 1 done; 0 done before (a retried call whose reply was lost).
@@ -28,7 +28,7 @@ if state ~= 'running' then
   return redis.error_reply('LEASE_LOST job ' .. KEYS[1])
 end
 local ttl = tonumber(ARGV[7])
-if ARGV[8] and ARGV[8] ~= '' and tonumber(emitted or 0) <= tonumber(ARGV[9]) then
+if ARGV[8] ~= '' and tonumber(emitted or 0) <= tonumber(ARGV[9]) then
   redis.call('XADD', KEYS[2], '*', 'e', ARGV[8])
 end
 redis.call('SET', KEYS[3], ARGV[6], 'EX', ttl)

@@ -5,24 +5,19 @@
 --
 -- KEYS     per job, 2 keys: job hash pq:{q}:job:<id>, event stream pq:{q}:events:<id>
 -- ARGV     per chunk, 4 args: lease token, offset (output tokens before this chunk), number of tokens in it,
---          token event JSON. Also taken: 2 args per chunk (lease token, event JSON), unguarded by offset, as
---          written before offsets existed.
+--          token event JSON.
 --
 -- Returns: per chunk, in order, an integer: 0 written (or written before); 1 the same, and a cancel was
 --          requested; -1 refused: lease lost (another worker holds the job, or it finished), or a gap (an
 --          earlier chunk is missing): nothing written.
 -- Error replies: none.
 local out = {}
-local stride = #ARGV / (#KEYS / 2)
 for i = 1, #KEYS / 2 do
   local job, events = KEYS[2 * i - 1], KEYS[2 * i]
-  local a = stride * (i - 1)
+  local a = 4 * (i - 1)
   local lease, cancel, state, emitted = unpack(redis.call('HMGET', job, 'lease', 'cancel', 'state', 'emitted'))
   emitted = tonumber(emitted or 0)
-  local offset, n, ev = emitted, 0, ARGV[a + 2]
-  if stride == 4 then
-    offset, n, ev = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), ARGV[a + 4]
-  end
+  local offset, n, ev = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), ARGV[a + 4]
   if lease ~= ARGV[a + 1] or state ~= 'running' or emitted < offset then
     out[i] = -1
   else

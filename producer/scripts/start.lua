@@ -17,7 +17,6 @@
 -- ARGV[7]  max attempts
 -- ARGV[8]  TTL of a dead job's result, event stream and hash, seconds
 -- ARGV[9]  dead-letter stream cap, entries
--- (KEYS[3..5] and ARGV[7..9] may be left out: then no attempt limit applies.)
 --
 -- Returns: {"ok", attempts, enqueued_at, emitted} when the worker now holds the job (emitted: output tokens
 --          its event stream holds already, to resume from);
@@ -51,7 +50,7 @@ if not state then
 end
 attempts = tonumber(attempts or 0)
 -- Hand-backs of a draining worker are deliveries too, but no fault of the job's.
-if ARGV[7] and attempts - tonumber(handbacks or 0) >= tonumber(ARGV[7]) then
+if attempts - tonumber(handbacks or 0) >= tonumber(ARGV[7]) then
   local k = {job = KEYS[1], jobs = KEYS[2], events = KEYS[3], result = KEYS[4], dlq = KEYS[5]}
   job_id = string.match(KEYS[1], ':job:(.*)$')
   dead_letter(k, job_id, ARGV[2], ARGV[1], 'max_attempts',
