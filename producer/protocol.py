@@ -29,7 +29,8 @@ class Message(BaseModel):
 class JobRequest(BaseModel):
     """One generation job. Field names and meanings follow OpenAI's completions / chat completions."""
 
-    model_config = ConfigDict(extra="forbid")
+    # NaN and infinity have no JSON form: refused here, not sent as null to mean something else.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     id: str = Field(default_factory=new_id)  # the idempotency key: a second submit with the same id is refused
     model: str | None = None  # None: whatever model the queue's workers serve
@@ -38,7 +39,7 @@ class JobRequest(BaseModel):
     max_tokens: int = Field(default=256, ge=1)
     temperature: float = Field(default=1.0, ge=0)  # 0: greedy
     top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=-1)  # 0 or -1: off
+    top_k: int = Field(default=0, ge=-1, le=2**31 - 1)  # 0 or -1: off. Bounded: the sampler makes a tensor of it
     min_p: float = Field(default=0.0, ge=0, le=1)
     seed: int | None = None
     stop: list[str] = Field(default_factory=list)
@@ -67,6 +68,18 @@ class JobRequest(BaseModel):
         if v is None:
             return []
         return [v] if isinstance(v, str) else v
+
+    @field_validator("metadata")
+    @classmethod
+    def _plain_json(cls, v: dict[str, Any]) -> dict[str, Any]:
+        # Any would take sets, bytes, NaN or a 10,000-deep nest, which fail later (at encoding, or in the
+        # worker) with an error that does not say which field is wrong.
+        try:
+            json.dumps(v, allow_nan=False)
+        except (TypeError, ValueError, RecursionError) as e:
+            raise ValueError(f"metadata must be plain JSON (objects, arrays, strings, finite numbers, true, "
+                             f"false, null): {e}") from None
+        return v
 
     @field_validator("stop_token_ids")
     @classmethod

@@ -6,6 +6,7 @@ import functools
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -103,7 +104,18 @@ def worker(redis_url, queue, model, device, dtype, max_num_seqs, max_num_batched
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    w.run()
+    import redis as redis_lib
+
+    try:
+        w.run()
+    except (redis_lib.AuthenticationError, redis_lib.exceptions.NoPermissionError) as e:
+        # A credentials problem is the operator's to fix: say so plainly, without a traceback or the password.
+        raise click.ClickException(f"redis at {redact(redis_url)} refused this worker: {e}") from None
+
+
+def redact(url: str) -> str:
+    """The URL without its password, fit for logs."""
+    return re.sub(r"(://[^:@/]*:)[^@/]*@", r"\1***@", url)
 
 
 @main.command()

@@ -22,7 +22,7 @@ class Metrics:
         self.registry = None
         nop = _Nop()
         self.jobs = self.tokens = self.steps = self.step_seconds = self.publish_seconds = nop
-        self.running = self.pending_acks = self.lease_lost = nop
+        self.running = self.pending_acks = self.lease_lost = self.kv_free = self.kv_total = nop
         if port is None:
             return
         try:
@@ -44,6 +44,9 @@ class Metrics:
                                      registry=reg).labels(**q)
         self.lease_lost = pc.Counter("pagedq_lease_lost", "Writes refused: lease lost", ["queue"],
                                      registry=reg).labels(**q)
+        # Free equals total whenever the engine is idle; less means blocks leaked (the soak test reads these).
+        self.kv_free = pc.Gauge("pagedq_kv_blocks_free", "Free KV cache blocks", ["queue"], registry=reg).labels(**q)
+        self.kv_total = pc.Gauge("pagedq_kv_blocks_total", "KV cache blocks", ["queue"], registry=reg).labels(**q)
         pc.start_http_server(port, registry=reg)
         self.queue = queue
 

@@ -8,6 +8,8 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
+from urllib.parse import quote
 
 import redis as redis_lib
 
@@ -33,19 +35,23 @@ class RedisServer:
     """`with RedisServer() as srv: srv.url`. Persistence is off unless `persist` is set."""
 
     def __init__(self, port: int | None = None, binary: str | None = None, persist: bool = False,
-                 host: str = "127.0.0.1", aof: bool = False) -> None:
+                 host: str = "127.0.0.1", aof: bool = False, password: str | None = None,
+                 args: Sequence[str] = ()) -> None:
         self.binary = binary or find_binary()
         self.host = host
         self.fixed_port = port is not None
         self.port = port or free_port()
         self.persist = persist
         self.aof = aof  # append-only file, fsync on every write: a restart loses nothing
+        self.password = password  # requirepass: the default user's password
+        self.args = list(args)  # more redis-server options (TLS, ACL files, ...)
         self.proc: subprocess.Popen | None = None
         self.dir: tempfile.TemporaryDirectory | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         # A free port can be taken by someone else before redis binds it: then try another (unless one was given).
@@ -74,8 +80,12 @@ class RedisServer:
             args += ["--save", "", "--appendonly", "yes", "--appendfsync", "always"]
         elif not self.persist:
             args += ["--save", "", "--appendonly", "no"]
+        if self.password:
+            args += ["--requirepass", self.password]
+        args += self.args
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis_lib.Redis(host=self.host, port=self.port, socket_connect_timeout=0.5)
+        client = redis_lib.Redis(host=self.host, port=self.port, password=self.password,
+                                 socket_connect_timeout=0.5)
         end = time.monotonic() + timeout
         try:
             while True:

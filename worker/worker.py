@@ -59,12 +59,15 @@ class Worker:
         self.id = config.worker_id
         self.keys = Keys(config.queue)
         # socket_timeout cuts a read that never returns (a half-open connection); it must exceed block_ms.
+        # encoding_errors: a producer that XADDs bytes that are not UTF-8 must get a failed job (its JSON no
+        # longer parses), not a decode error that kills intake and every job read in the same batch.
         self.r = redis or redis_lib.Redis.from_url(
-            config.redis_url, decode_responses=True, socket_timeout=max(config.socket_timeout,
-                                                                        config.block_ms / 1000 + 2),
+            config.redis_url, decode_responses=True, encoding_errors="replace",
+            socket_timeout=max(config.socket_timeout, config.block_ms / 1000 + 2),
             socket_connect_timeout=5, socket_keepalive=True)
         self.scripts = Scripts(self.r)
         self.metrics = Metrics(config.queue, config.metrics_port)
+        self.metrics.kv_total.set(engine.num_total_blocks)
         self.served = set(config.served_models) or {engine.model_name}
         self.model = engine.model_name
         self.active: dict[str, RunningJob] = {}
@@ -94,6 +97,7 @@ class Worker:
         drain_end = None
         try:
             while True:
+                self.metrics.kv_free.set(eng.num_free_blocks)
                 self._notices()
                 if self.stop_event.is_set():
                     drain_end = drain_end or time.monotonic() + self.cfg.drain_timeout
