@@ -25,14 +25,7 @@ if state ~= 'queued' then
   return state
 end
 local ttl = tonumber(ARGV[2])
-redis.call('SET', KEYS[3], ARGV[1], 'EX', ttl)
-redis.call('XADD', KEYS[2], '*', 'e', '{"type":"cancelled","result":' .. ARGV[1] .. '}')
-redis.call('EXPIRE', KEYS[2], ttl)
-redis.call('HSET', KEYS[1], 'state', 'cancelled')
-redis.call('EXPIRE', KEYS[1], ttl)
--- A worker that read the entry already skips it at start (and acks it); one that has not never sees it.
-local entry = redis.call('HGET', KEYS[1], 'entry')
-if entry then
-  redis.call('XDEL', KEYS[4], entry)
-end
+-- Not acked: a worker that read the entry already skips it at start (and acks it); one that has not never sees it.
+finish({job = KEYS[1], events = KEYS[2], result = KEYS[3], jobs = KEYS[4]}, 'cancelled', 'cancelled', ARGV[1], ttl,
+  nil, redis.call('HGET', KEYS[1], 'entry'))
 return 'cancelled'

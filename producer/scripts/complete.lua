@@ -31,12 +31,6 @@ local ttl = tonumber(ARGV[7])
 if ARGV[8] ~= '' and tonumber(emitted or 0) <= tonumber(ARGV[9]) then
   redis.call('XADD', KEYS[2], '*', 'e', ARGV[8])
 end
-redis.call('SET', KEYS[3], ARGV[6], 'EX', ttl)
-redis.call('XADD', KEYS[2], '*', 'e', '{"type":"' .. ARGV[5] .. '","result":' .. ARGV[6] .. '}')
-redis.call('EXPIRE', KEYS[2], ttl)
-redis.call('HSET', KEYS[1], 'state', ARGV[4])
-redis.call('HDEL', KEYS[1], 'lease_until_ms', 'cancel')
-redis.call('EXPIRE', KEYS[1], ttl)
-redis.call('XACK', KEYS[4], ARGV[2], ARGV[3])
-redis.call('XDEL', KEYS[4], ARGV[3])
+finish({job = KEYS[1], events = KEYS[2], result = KEYS[3], jobs = KEYS[4]}, ARGV[4], ARGV[5], ARGV[6], ttl,
+  ARGV[2], ARGV[3])
 return 1

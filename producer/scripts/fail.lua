@@ -23,12 +23,6 @@ if state ~= 'running' then
   return redis.error_reply('LEASE_LOST job ' .. KEYS[1])
 end
 local ttl = tonumber(ARGV[5])
-redis.call('SET', KEYS[3], ARGV[4], 'EX', ttl)
-redis.call('XADD', KEYS[2], '*', 'e', '{"type":"error","result":' .. ARGV[4] .. '}')
-redis.call('EXPIRE', KEYS[2], ttl)
-redis.call('HSET', KEYS[1], 'state', 'failed')
-redis.call('HDEL', KEYS[1], 'lease_until_ms', 'cancel')
-redis.call('EXPIRE', KEYS[1], ttl)
-redis.call('XACK', KEYS[4], ARGV[2], ARGV[3])
-redis.call('XDEL', KEYS[4], ARGV[3])
+finish({job = KEYS[1], events = KEYS[2], result = KEYS[3], jobs = KEYS[4]}, 'failed', 'error', ARGV[4], ttl,
+  ARGV[2], ARGV[3])
 return 1

@@ -1,10 +1,27 @@
 -- lib: helpers prepended to every script (scripts.py joins them), so that a dead letter is written the same
 -- way wherever a job is given up on.
 --
+-- finish(k, state, event, res, ttl, group, entry)
+--   The one way a job ends: its result `res` (JSON, with `ttl`), its terminal event of type `event`, its final
+--   state; its keys expire with the result; its stream entry is acked (when `group` is given) and deleted.
+--
 -- dead_letter(k, job_id, entry, group, etype, reason, attempts, ttl, cap, worker)
 --   k: {job=, jobs=, events=, result=, dlq=} key names. Copies the job's payload from its stream entry to the
 --   dead-letter stream (capped near `cap` entries), writes the failed result and the terminal "error" event
 --   (with `ttl`), and acks and deletes the entry. Returns the result JSON.
+local function finish(k, state, event, res, ttl, group, entry)
+  redis.call('SET', k.result, res, 'EX', ttl)
+  redis.call('XADD', k.events, '*', 'e', '{"type":"' .. event .. '","result":' .. res .. '}')
+  redis.call('EXPIRE', k.events, ttl)
+  redis.call('HSET', k.job, 'state', state)
+  redis.call('HDEL', k.job, 'lease_until_ms', 'cancel')
+  redis.call('EXPIRE', k.job, ttl)
+  if entry then
+    if group then redis.call('XACK', k.jobs, group, entry) end
+    redis.call('XDEL', k.jobs, entry)
+  end
+end
+
 local function dead_letter(k, job_id, entry, group, etype, reason, attempts, ttl, cap, worker)
   local payload = ''
   local e = redis.call('XRANGE', k.jobs, entry, entry)
@@ -19,14 +36,7 @@ local function dead_letter(k, job_id, entry, group, etype, reason, attempts, ttl
     'attempts', attempts, 'worker', worker, 'at', t[1], 'job', payload)
   local res = cjson.encode({id = job_id, status = 'failed', finish_reason = 'error', attempts = tonumber(attempts),
     worker = worker, error = {type = etype, message = reason}})
-  redis.call('SET', k.result, res, 'EX', ttl)
-  redis.call('XADD', k.events, '*', 'e', '{"type":"error","result":' .. res .. '}')
-  redis.call('EXPIRE', k.events, ttl)
-  redis.call('HSET', k.job, 'state', 'failed')
-  redis.call('HDEL', k.job, 'lease_until_ms', 'cancel')
-  redis.call('EXPIRE', k.job, ttl)
-  redis.call('XACK', k.jobs, group, entry)
-  redis.call('XDEL', k.jobs, entry)
+  finish(k, 'failed', 'error', res, ttl, group, entry)
   return res
 end
 
