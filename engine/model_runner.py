@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from transformers import AutoConfig
@@ -147,9 +146,3 @@ class ModelRunner:
         logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
         tokens, logprobs = sample(logits, sampling)
         return tokens.tolist(), logprobs
-
-
-def set_threads() -> None:
-    # Respect an explicit OMP setting; otherwise torch's default (all cores) is what we want.
-    if "OMP_NUM_THREADS" in os.environ:
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
