@@ -12,7 +12,8 @@ BACKENDS = ("auto", "torch", "triton")
 class EngineConfig:
     model: str = "smollm2-135m-instruct"
     device: str = "cpu"
-    dtype: str = "float32"
+    # None: bfloat16 on CUDA, float32 on CPU.
+    dtype: str | None = None
     block_size: int = 16
     # None: sized from kv_cache_memory (or, on a GPU, from gpu_memory_utilization).
     num_kv_blocks: int | None = None
@@ -22,6 +23,8 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    # True: never replay CUDA graphs for decode steps (they need the Triton backend on CUDA).
+    enforce_eager: bool = False
     # CPU: bytes of KV cache when num_kv_blocks is None. None: a quarter of free memory, at most 2 GiB.
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.85
@@ -29,6 +32,8 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.dtype is None:
+            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.attention_backend not in BACKENDS:

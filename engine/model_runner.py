@@ -8,6 +8,7 @@ import torch
 from transformers import AutoConfig
 
 from engine.config import EngineConfig
+from engine.decode_buffers import DecodeBuffers, DecodeInputs
 from engine.models.llama import SUPPORTED_ARCHS, AttnContext, LlamaForCausalLM
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import SchedulerOutput
@@ -63,6 +64,24 @@ class ModelRunner:
         self.num_blocks = self._size_cache()
         self.max_model_len = min(self.max_model_len, self.num_blocks * config.block_size)
         self._allocate_cache()
+        # Decode-only steps through padded static buffers, replayed as CUDA graphs (only with ops that never sync
+        # with the host: the Triton ones).
+        self.decode_buffers: DecodeBuffers | None = None
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager and getattr(self.ops, "GRAPH_SAFE", False):
+            self.use_padded_decode(capture=True)
+
+    def use_padded_decode(self, capture: bool) -> None:
+        """Run decode-only steps through padded static buffers; capture: also as CUDA graphs (CUDA only).
+        Without capture the padded forward runs eagerly, which is how the CPU tests check the padding."""
+        max_blocks = -(-self.max_model_len // self.config.block_size)
+        self.decode_buffers = DecodeBuffers(self.config.max_num_seqs, max_blocks, self.device)
+        self.graphs = None
+        if capture:
+            from engine.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.decode_buffers, self.ops)
+            self.graphs.capture()
 
     def _size_cache(self) -> int:
         cfg, hf = self.config, self.hf_config
@@ -135,11 +154,36 @@ class ModelRunner:
         )
         return t(input_ids, torch.int64), t(positions, torch.int64), ctx, sample_rows
 
+    def _decode_padded(self, batch: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+        """A decode-only step through the padded buffers (a graph replay when captured) -> hidden, sample rows."""
+        bs = self.config.block_size
+        inputs = DecodeInputs([], [], [], [], [])
+        rows = []
+        for i, seq in enumerate(batch.seqs):
+            pos = seq.num_computed_tokens
+            inputs.input_ids.append(seq.token_ids[pos])
+            inputs.positions.append(pos)
+            inputs.slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+            inputs.seq_lens.append(pos + 1)
+            inputs.block_tables.append(seq.block_table)
+            if pos + 1 == seq.num_tokens:
+                rows.append(i)
+        size = self.decode_buffers.load(inputs)
+        if self.graphs is not None:
+            hidden = self.graphs.replay(size)
+        else:
+            hidden = self.model(*self.decode_buffers.inputs(size, self.ops))
+        return hidden, rows
+
     @torch.inference_mode()
     def run(self, batch: SchedulerOutput, sampling: SamplingBatch) -> tuple[list[int], torch.Tensor]:
         """One forward over the batch -> sampled token per sampling row (in batch order) and raw logprobs."""
-        input_ids, positions, ctx, rows = self.prepare(batch)
-        hidden = self.model(input_ids, positions, ctx)
+        padded = self.decode_buffers is not None and len(batch.seqs) <= self.decode_buffers.max_size
+        if padded and all(n == 1 for n in batch.num_new_tokens):
+            hidden, rows = self._decode_padded(batch)
+        else:
+            input_ids, positions, ctx, rows = self.prepare(batch)
+            hidden = self.model(input_ids, positions, ctx)
         if not rows:
             return [], torch.empty(0)
         # Logits only where a token is sampled, never for the rest of a prompt.

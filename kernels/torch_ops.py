@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# The ops read lengths on the host (.tolist()): a CUDA graph cannot capture them.
+GRAPH_SAFE = False
+
 
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -54,11 +57,19 @@ def _decode(q, k_cache, v_cache, decode, starts, lens, block_table, scale, out) 
         qg = q[rows].view(n, num_kv_heads, group, head_dim)
         lens_t = torch.tensor([lens[b] for b in seqs], device=q.device)
         pad = (torch.arange(k.shape[1], device=q.device)[None, :] >= lens_t[:, None])[:, None, :]
+        # Slots past a sequence's end may hold anything a finished request left there (blocks are reused
+        # unwritten), NaN or inf included; 0 * NaN is NaN, so zero them rather than trust a 0 probability.
+        # Rows are sorted by length, so only the part past the shortest one can hold such slots.
+        shortest = lens[seqs[0]]
+        empty = shortest == 0
+        v[:, shortest:].masked_fill_(pad[:, 0, shortest:, None, None], 0)
         o = torch.empty(n, num_kv_heads, group, head_dim, dtype=q.dtype, device=q.device)
         for h in range(num_kv_heads):
             kh = k[:, :, h].to(q.dtype)
             scores = torch.bmm(qg[:, h], kh.transpose(1, 2)).float().mul_(scale)
             probs = torch.softmax(scores.masked_fill_(pad, float("-inf")), dim=-1).to(q.dtype)
+            if empty:  # padding rows of a padded decode batch see no key: zeros, not 0/0
+                probs.nan_to_num_(0.0)
             o[:, h] = torch.bmm(probs, v[:, :, h].to(q.dtype))
         out[rows] = o.view(n, num_kv_heads * group, head_dim)
 

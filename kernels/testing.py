@@ -1,0 +1,72 @@
+"""Random paged batches for checking the attention ops against each other (the tests and `pagedq gpu-check`)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def random_batch(hq: int, hkv: int, head_dim: int, block_size: int, shapes: list[tuple[int, int]],
+                 dtype: torch.dtype, num_blocks: int | None = None, first_block: int = 0,
+                 fill: float = float("nan"), seed: int = 0, device: str = "cpu") -> dict:
+    """A paged batch over a cache whose unwritten slots hold `fill`. shapes: (cached tokens, new tokens) per
+    sequence. Blocks are drawn shuffled from [first_block, num_blocks); the cached tokens' K/V are in the cache,
+    the new tokens' K/V (`k`, `v`) are not stored yet (store them with `slot_mapping`). Keys are the arguments of
+    store_kv and paged_attention."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = sum(-(-(c + n) // block_size) for c, n in shapes)
+    num_blocks = num_blocks or needed + 8
+    k_cache = torch.full((num_blocks, block_size, hkv, head_dim), fill, dtype=dtype)
+    v_cache = torch.full_like(k_cache, fill)
+    free = (first_block + torch.randperm(num_blocks - first_block, generator=gen)).tolist()
+    tables, slots, qs, new_k, new_v = [], [], [], [], []
+    for cached, new in shapes:
+        total = cached + new
+        blocks = [free.pop() for _ in range(-(-total // block_size))]
+        tables.append(blocks)
+        k = torch.randn(total, hkv, head_dim, generator=gen).to(dtype)
+        v = torch.randn(total, hkv, head_dim, generator=gen).to(dtype)
+        idx = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(total)])
+        k_cache.view(-1, hkv, head_dim)[idx[:cached]] = k[:cached]
+        v_cache.view(-1, hkv, head_dim)[idx[:cached]] = v[:cached]
+        slots += idx[cached:].tolist()
+        new_k.append(k[cached:])
+        new_v.append(v[cached:])
+        qs.append(torch.randn(new, hq, head_dim, generator=gen).to(dtype))
+    width = max(map(len, tables)) + 1  # wider than needed, padded with block 0 (another sequence's block)
+    q_lens = torch.tensor([n for _, n in shapes])
+    batch = dict(
+        q=torch.cat(qs), k=torch.cat(new_k), v=torch.cat(new_v), k_cache=k_cache, v_cache=v_cache,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)]).to(torch.int32),
+        seq_lens=torch.tensor([c + n for c, n in shapes], dtype=torch.int32),
+        block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+    )
+    batch = {k: t.to(device) for k, t in batch.items()}
+    batch["scale"] = head_dim**-0.5
+    return batch
+
+
+def attend(ops, batch: dict, **kw) -> torch.Tensor:
+    """ops.paged_attention over a random_batch (kw: ops.attention's extra arguments, e.g. segments)."""
+    args = (batch["q"], batch["k_cache"], batch["v_cache"], batch["query_start_loc"], batch["seq_lens"],
+            batch["block_table"], batch["scale"])
+    return ops.attention(*args, **kw) if kw else ops.paged_attention(*args)
+
+
+def store(ops, batch: dict) -> None:
+    ops.store_kv(batch["k"], batch["v"], batch["k_cache"], batch["v_cache"], batch["slot_mapping"])
+
+
+def oracle(batch: dict) -> torch.Tensor:
+    """The torch path in float32 on the same (upcast) values: the reference the kernels are held to."""
+    from kernels import torch_ops
+
+    up = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in batch.items()}
+    return attend(torch_ops, up)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest absolute error over the largest reference magnitude; inf when out holds NaN or inf."""
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
