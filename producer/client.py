@@ -1,4 +1,5 @@
-"""The synchronous client: what a web app uses to enqueue jobs and read their tokens and results."""
+"""The synchronous client: what a web app uses to enqueue jobs and read their tokens and results.
+A thin shell over producer.flows, which it shares with the asyncio client."""
 
 from __future__ import annotations
 
@@ -6,121 +7,77 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import redis as redis_lib
-from redis.exceptions import ResponseError
 
-from producer import ops
+from producer import calls, defaults, flows
+from producer.connection import connect, socket_timeout_of
 from producer.keys import Keys
 from producer.protocol import JobRequest, JobResult, Limits, StreamEvent
-from producer.scripts import Scripts
+
+
+def block_chunk_ms(r) -> int:
+    """The longest XREAD BLOCK this client's socket timeout allows."""
+    timeout = socket_timeout_of(r)
+    return flows.BLOCK_CHUNK_MS if not timeout else max(1, min(flows.BLOCK_CHUNK_MS, int(timeout * 500)))
 
 
 class Client:
-    """`Client(url, queue="default")`. url None: $REDIS_URL, else redis://localhost:6379/0."""
+    """`Client(url, queue="default")`. url None: $REDIS_URL, else redis://localhost:6379/0. A Redis Cluster is
+    found out from any node's URL."""
 
-    def __init__(self, url: str | None = None, queue: str = "default", *, redis: redis_lib.Redis | None = None,
-                 limits: Limits | None = None, result_ttl: int = ops.DEFAULT_TTL) -> None:
-        self.redis = redis or redis_lib.Redis.from_url(ops.redis_url(url), decode_responses=True)
+    def __init__(self, url: str | None = None, queue: str = defaults.QUEUE, *, redis: redis_lib.Redis | None = None,
+                 limits: Limits | None = None, result_ttl: int = defaults.RESULT_TTL_S) -> None:
+        self.redis = redis if redis is not None else connect(url, decode_responses=True)
         self.keys = Keys(queue)
         self.limits = limits or Limits()
         self.result_ttl = result_ttl
-        self.scripts = Scripts(self.redis)
-        self.block_chunk_ms = ops.block_chunk_ms(self.redis)
+        self.block_chunk_ms = block_chunk_ms(self.redis)
+
+    def _run(self, flow: flows.Flow) -> Any:
+        return flows.drive(self.redis, flow)
+
+    def _request(self, request: JobRequest | dict | None, fields: dict[str, Any]) -> JobRequest:
+        req = flows.make_request(request, fields)
+        self.limits.check(req)
+        return req
 
     def submit(self, request: JobRequest | dict | None = None, /, **fields: Any) -> Job:
         """Enqueue one job: `submit(prompt=..., max_tokens=64)`, `submit(messages=[...])` or
         `submit(JobRequest(...))`. Raises DuplicateJobError when a job with this id exists."""
-        req = ops.make_request(request, fields, self.limits)
-        keys, args = ops.submit_call(self.keys, req)
-        try:
-            self.scripts.submit(keys, args)
-        except ResponseError as e:
-            if ops.is_duplicate(e):
-                raise ops.duplicate_error([req.id], []) from None
-            raise
+        req = self._request(request, fields)
+        self._run(flows.run_call(calls.submit(self.keys, req)))
         return Job(self, req.id)
 
     def submit_many(self, requests: Iterable[JobRequest | dict]) -> list[Job]:
         """Enqueue many jobs in one pipelined round trip. Duplicates are refused one by one: every other job
         is submitted, then DuplicateJobError lists the refused ids (and carries the submitted jobs)."""
-        reqs = [ops.make_request(r, {}, self.limits) for r in requests]
-        pipe = self.redis.pipeline(transaction=False)
-        for req in reqs:
-            keys, args = ops.submit_call(self.keys, req)
-            self.scripts.submit(keys, args, client=pipe)
-        replies = pipe.execute(raise_on_error=False)
-        return ops.submitted(reqs, replies, lambda job_id: Job(self, job_id))
+        reqs = [self._request(r, {}) for r in requests]
+        try:
+            ids = self._run(flows.submit_many([calls.submit(self.keys, r) for r in reqs]))
+        except calls.DuplicateJobError as e:
+            e.jobs = [Job(self, i) for i in e.jobs]
+            raise
+        return [Job(self, i) for i in ids]
 
     def job(self, job_id: str) -> Job:
         return Job(self, job_id)
 
     def status(self, job_id: str) -> str:
-        state = self.redis.hget(self.keys.job(job_id), "state")
-        if state:
-            return state
-        raw = self.redis.get(self.keys.result(job_id))
-        if raw:
-            return JobResult.model_validate_json(raw).status
-        raise ops.not_found(job_id)
+        return self._run(flows.status(self.keys, job_id))
 
     def result(self, job_id: str, timeout: float | None = None) -> JobResult:
         """Wait for the job's result; blocks on its event stream (XREAD BLOCK), no polling.
         Raises TimeoutError after `timeout` seconds, JobNotFound for an unknown id."""
-        r, k = self.redis, self.keys
-        raw = r.get(k.result(job_id))
-        if raw:
-            return JobResult.model_validate_json(raw)
-        last = "0-0"
-        tail = r.xrevrange(k.events(job_id), count=1)
-        if tail:
-            ev = ops.parse_event(*tail[0])
-            if ev.terminal:
-                return ev.result
-            last = ev.event_id
-        elif not r.exists(k.job(job_id)):
-            raise ops.not_found(job_id)
-        deadline = ops.Deadline(timeout, self.block_chunk_ms)
-        while True:
-            reply = r.xread({k.events(job_id): last}, count=1000, block=deadline.block_ms())
-            for ev in ops.parse_events(reply):
-                last = ev.event_id
-                if ev.terminal:
-                    return ev.result
-            if deadline.expired():
-                raise TimeoutError(f"job {job_id} has no result after {timeout} s")
+        return self._run(flows.result(self.keys, job_id, timeout, self.block_chunk_ms))
 
     def stream(self, job_id: str, timeout: float | None = None, after: str = "0-0") -> Iterator[StreamEvent]:
         """Yield the job's events from the start of its stream (or after event id `after`): token chunks,
         then one terminal event ("done", "error" or "cancelled") that carries the result."""
-        r, k = self.redis, self.keys
-        if after == "0-0" and not r.exists(k.events(job_id)):
-            raw = r.get(k.result(job_id))
-            if raw:
-                yield ops.result_event(raw)
-                return
-            if not r.exists(k.job(job_id)):
-                raise ops.not_found(job_id)
-        deadline = ops.Deadline(timeout, self.block_chunk_ms)
-        last = after
-        while True:
-            reply = r.xread({k.events(job_id): last}, count=1000, block=deadline.block_ms())
-            for ev in ops.parse_events(reply):
-                last = ev.event_id
-                yield ev
-                if ev.terminal:
-                    return
-            if deadline.expired():
-                raise TimeoutError(f"job {job_id} did not finish within {timeout} s")
+        return flows.drive_iter(self.redis, flows.stream(self.keys, job_id, timeout, after, self.block_chunk_ms))
 
     def cancel(self, job_id: str) -> str:
         """Cancel a job. Returns "cancelled" (it was queued), "cancelling" (it runs; the worker stops it soon),
         or its terminal state unchanged."""
-        keys, args = ops.cancel_call(self.keys, job_id, self.result_ttl)
-        try:
-            return self.scripts.cancel(keys, args)
-        except ResponseError as e:
-            if str(e).startswith("NOT_FOUND"):
-                raise ops.not_found(job_id) from None
-            raise
+        return self._run(flows.run_call(calls.cancel(self.keys, job_id, self.result_ttl)))
 
     def close(self) -> None:
         self.redis.close()

@@ -2,33 +2,26 @@
 
 from __future__ import annotations
 
-import time
-
-import redis as redis_lib
-
+from producer import calls, flows
 from producer.errors import JobNotFound
 from producer.keys import Keys
-from producer.scripts import Scripts
-
-DEFAULT_CAP = 10_000  # dead letters kept per queue (approximately: MAXLEN ~)
 
 
-def list_dead(r: redis_lib.Redis, keys: Keys, count: int = 100) -> list[dict]:
+def list_dead(r, keys: Keys, count: int = 100) -> list[dict]:
     """The newest `count` dead letters, newest first: {entry, id, error, reason, attempts, worker, at, job}."""
     return [{"entry": eid, **fields} for eid, fields in r.xrevrange(keys.dlq, count=count)]
 
 
-def retry_dead(r: redis_lib.Redis, keys: Keys, job_id: str) -> str:
+def retry_dead(r, keys: Keys, job_id: str) -> str:
     """Send job `job_id` back to the queue from its newest dead letter; returns its new stream entry id."""
     # The stream is capped, so this scan is bounded.
     for eid, fields in r.xrevrange(keys.dlq):
         if fields.get("id") == job_id:
-            return Scripts(r).retry([keys.dlq, keys.job(job_id), keys.events(job_id), keys.result(job_id),
-                                     keys.jobs], [eid, job_id, repr(time.time())])
+            return flows.drive(r, flows.run_call(calls.retry(keys, eid, job_id)))
     raise JobNotFound(f"no dead letter for job {job_id!r}")
 
 
-def purge_dead(r: redis_lib.Redis, keys: Keys) -> int:
+def purge_dead(r, keys: Keys) -> int:
     """Delete every dead letter; returns how many there were."""
     n = r.xlen(keys.dlq)
     r.delete(keys.dlq)

@@ -11,10 +11,6 @@ import re
 PREFIX = "pq"
 # The one consumer group of every queue's job stream: workers of a queue share its entries.
 GROUP = "workers"
-# Field names of a job stream entry and of an event stream entry.
-ENTRY_ID = "id"
-ENTRY_JOB = "job"
-EVENT_FIELD = "e"
 
 _QUEUE_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 

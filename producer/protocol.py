@@ -99,6 +99,11 @@ class JobRequest(BaseModel):
         return self
 
 
+def metadata_bytes(metadata: dict[str, Any]) -> int:
+    """The size the metadata limit counts: UTF-8 bytes of its compact JSON (one measure in every language)."""
+    return len(json.dumps(metadata, separators=(",", ":"), ensure_ascii=False).encode())
+
+
 class Limits(BaseModel):
     """Size limits, checked at submit and again by the worker (a producer may skip the client)."""
 
@@ -119,7 +124,7 @@ class Limits(BaseModel):
             raise ValueError(f"max_tokens is {req.max_tokens}, the limit is {self.max_tokens}")
         if len(req.stop) > self.max_stop:
             raise ValueError(f"{len(req.stop)} stop strings, the limit is {self.max_stop}")
-        size = len(json.dumps(req.metadata))
+        size = metadata_bytes(req.metadata)
         if size > self.max_metadata_bytes:
             raise ValueError(f"metadata is {size} bytes as JSON, the limit is {self.max_metadata_bytes}")
 

@@ -1,7 +1,9 @@
-"""The Lua scripts, one per state change (see the header of each file in scripts/)."""
+"""The Lua scripts, one per state change (see the header of each file in scripts/; producer.calls builds
+their calls)."""
 
 from __future__ import annotations
 
+import hashlib
 from functools import cache
 from importlib import resources
 
@@ -11,25 +13,19 @@ NAMES = ("submit", "start", "publish", "complete", "fail", "cancel", "renew", "r
 @cache
 def source(name: str) -> str:
     # lib.lua holds local helpers; Redis has no includes, so every script carries a copy.
+    if name not in NAMES:
+        raise ValueError(f"no script {name!r}")
     files = resources.files("producer").joinpath("scripts")
     return files.joinpath("lib.lua").read_text() + files.joinpath(f"{name}.lua").read_text()
 
 
-class Scripts:
-    """The scripts registered on one client (sync or asyncio: register_script picks the right kind).
+@cache
+def sha(name: str) -> str:
+    """The digest EVALSHA takes: computed here, so that no round trip is needed to learn it."""
+    return hashlib.sha1(source(name).encode()).hexdigest()
 
-    `sha` gives the digests for callers that pipeline EVALSHA directly: redis-py's pipelined Script
-    objects cost an extra SCRIPT EXISTS round trip per pipeline, which a worker step cannot afford.
-    """
 
-    def __init__(self, redis) -> None:
-        for name in NAMES:
-            setattr(self, name, redis.register_script(source(name)))
-
-    def sha(self, name: str) -> str:
-        return getattr(self, name).sha
-
-    def load_all(self, redis) -> None:
-        """Load every script on a sync client (after a Redis restart, say)."""
-        for name in NAMES:
-            redis.script_load(source(name))
+def load_all(r) -> None:
+    """Load every script on a sync client (at worker start; after a Redis restart the flows reload them)."""
+    for name in NAMES:
+        r.script_load(source(name))

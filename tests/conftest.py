@@ -1,3 +1,8 @@
+# Triton kernels run under the interpreter on CPU; it must be set before any kernel module is imported.
+import os as _os
+
+_os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # ---- engine fixtures (issue 2): tiny random-weight models and the real default model ----
 import os
 
@@ -9,12 +14,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def tiny_model():
     """tiny_model(arch="llama") -> path of a small random-weight model, built once and cached on disk."""
-    from engine.loader import cache_root, make_tiny_model
+    from tiny_model import cached_tiny_model
 
-    def build(arch: str = "llama", seed: int = 0) -> str:
-        return make_tiny_model(str(cache_root() / f"tiny-{arch}-{seed}-v1"), arch, seed)
-
-    return build
+    return cached_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -71,14 +73,21 @@ def start_worker(redis_url, tmp_path):
     """start_worker(queue, model, *flags) -> Popen of `python -m worker worker ...`; stopped after the test."""
     import subprocess
     import sys
+    from pathlib import Path
 
     from worker.redis_server import stop_process
 
     procs = []
 
-    def start(queue: str, model: str, *flags: str, env: dict | None = None):
+    def start(queue: str, model: str, *flags: str, env: dict | None = None, hooks: dict | None = None,
+              url: str | None = None):
+        """hooks: faults to inject ({"poison": MARK, "crash": MARK}, see tests/worker_hooks.py)."""
         log = open(tmp_path / f"worker-{len(procs)}.log", "w+")  # noqa: SIM115 (closed at teardown)
-        cmd = [sys.executable, "-m", "worker", "worker", "--redis-url", redis_url, "--queue", queue,
+        launcher = [sys.executable, "-m", "worker", "worker"]
+        if hooks:
+            launcher = [sys.executable, str(Path(__file__).parent / "worker_hooks.py"),
+                        *(f"--{k}={v}" for k, v in hooks.items()), "--"]
+        cmd = [*launcher, "--redis-url", url or redis_url, "--queue", queue,
                "--model", model, "--device", "cpu", "--log-level", "INFO", *flags]
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         p.log = log
@@ -113,13 +122,13 @@ def pq_reference(pq_tiny_model):
 
 
 @pytest.fixture
-def pq_check_stream(rds):
+def pq_check_stream():
     """pq_check_stream(client, result) -> number of token events: asserts the job's event stream holds its
     tokens exactly once, in order, then exactly one terminal event, last."""
-    from producer.ops import parse_event
+    from producer.flows import parse_event
 
     def check(client, res) -> int:
-        events = [parse_event(eid, f) for eid, f in rds.xrange(client.keys.events(res.id))]
+        events = [parse_event(eid, f) for eid, f in client.redis.xrange(client.keys.events(res.id))]
         assert events and events[-1].terminal, (res.id, [e.type for e in events])
         assert sum(e.terminal for e in events) == 1, (res.id, [e.type for e in events])
         toks = events[:-1]
@@ -130,3 +139,22 @@ def pq_check_stream(rds):
     return check
 # ---- end of fault test helpers ----
 
+
+# ---- cluster fixtures (issue 8) ----
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """A real Redis Cluster (3 masters, no replicas) for the session: `.urls`, `.node_of(key)`,
+    `.queue_node(queue)`; tests/redis_cluster.py."""
+    from redis_cluster import ClusterServers
+
+    with ClusterServers() as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def cluster_queues(redis_cluster) -> list[str]:
+    """Two fresh queue names whose slots live on different masters."""
+    from redis_cluster import queues_on_different_masters
+
+    return queues_on_different_masters(redis_cluster, 2)
+# ---- end of cluster fixtures ----

@@ -30,7 +30,7 @@ def test_redis_restart_mid_run(queue, pq_tiny_model, start_worker):
         import redis
 
         r = redis.Redis.from_url(srv.url, decode_responses=True)
-        from producer.ops import parse_event
+        from producer.flows import parse_event
 
         for res in results:
             evs = [parse_event(e, f) for e, f in r.xrange(c.keys.events(res.id))]

@@ -8,40 +8,39 @@ import time
 import pytest
 import redis
 
-from producer import AsyncClient, Client, DuplicateJobError, JobNotFound, JobRequest, JobResult
+from producer import AsyncClient, Client, DuplicateJobError, JobNotFound, JobRequest, JobResult, calls, flows
+from producer.errors import LeaseLost
 from producer.keys import GROUP
-from producer.scripts import Scripts
+
+SETTINGS = calls.WorkerSettings("w1", lease_ms=60000, max_attempts=3, ttl=60, dlq_cap=100)
 
 
 class ScriptWorker:
     """The worker's Redis side in miniature: takes jobs and writes tokens and results with the scripts."""
 
     def __init__(self, rds: redis.Redis, client: Client) -> None:
-        self.r, self.k, self.s = rds, client.keys, Scripts(rds)
+        self.r, self.k = rds, client.keys
         with contextlib.suppress(redis.ResponseError):
             rds.xgroup_create(self.k.jobs, GROUP, id="0", mkstream=True)
+
+    def run(self, call: calls.Call):
+        return flows.drive(self.r, flows.run_call(call))
 
     def take(self) -> tuple[str, str, str]:
         (_, [(entry, fields)]), = self.r.xreadgroup(GROUP, "w1", {self.k.jobs: ">"}, count=1)
         jid = fields["id"]
-        status, *_ = self.s.start(self.start_keys(jid), [GROUP, entry, "lease-1", "w1", 60000, 1.0, 3, 60, 100])
-        return jid, entry, status
+        started = self.run(calls.start(self.k, calls.Delivery(jid, entry, "lease-1"), SETTINGS, 1.0))
+        return jid, entry, started.outcome
 
-    def start_keys(self, jid: str) -> list[str]:
-        return [self.k.job(jid), self.k.jobs, self.k.events(jid), self.k.result(jid), self.k.dlq]
-
-    def tokens(self, jid: str, texts: list[str], lease: str = "lease-1") -> list[int]:
-        keys, args = [], []
+    def tokens(self, jid: str, texts: list[str], lease: str = "lease-1") -> list[str]:
         emitted = int(self.r.hget(self.k.job(jid), "emitted") or 0)
-        for i, t in enumerate(texts):
-            keys += [self.k.job(jid), self.k.events(jid)]
-            args += [lease, emitted + i, 1, f'{{"type":"token","text":"{t}","token_ids":[{emitted + i}]}}']
-        return self.s.publish(keys, args)
+        chunks = [calls.Chunk(jid, lease, emitted + i, 1, f'{{"type":"token","text":"{t}","token_ids":[{emitted + i}]}}')
+                  for i, t in enumerate(texts)]
+        return self.run(calls.publish(self.k, chunks))
 
     def complete(self, jid: str, entry: str, text: str, lease: str = "lease-1") -> None:
         res = JobResult(id=jid, status="completed", text=text, finish_reason="stop")
-        self.s.complete([self.k.job(jid), self.k.events(jid), self.k.result(jid), self.k.jobs],
-                        [lease, GROUP, entry, "completed", "done", res.model_dump_json(), 60, "", 0])
+        self.run(calls.complete(self.k, calls.Delivery(jid, entry, lease), "completed", res.model_dump_json(), 60))
 
 
 @pytest.fixture
@@ -60,7 +59,7 @@ def test_submit_status_result_stream(client, rds):
     got = []
     waiter = threading.Thread(target=lambda: got.append(job.result(timeout=10)))
     waiter.start()
-    assert w.tokens(jid, ["Hel", "lo"]) == [0, 0]
+    assert w.tokens(jid, ["Hel", "lo"]) == ["ok", "ok"]
     time.sleep(0.1)
     w.complete(jid, entry, "Hello")
     waiter.join(10)
@@ -116,14 +115,14 @@ def test_cancel_running_and_lease_guard(client, rds):
     job = client.submit(prompt="a")
     w = ScriptWorker(rds, client)
     jid, entry, _ = w.take()
-    assert w.tokens(jid, ["a"]) == [0]
+    assert w.tokens(jid, ["a"]) == ["ok"]
     assert job.cancel() == "cancelling"
-    assert w.tokens(jid, ["b"]) == [1]  # the worker learns of the cancel from its next publish
-    assert w.tokens(jid, ["c"], lease="stale") == [-1]
-    with pytest.raises(redis.ResponseError, match="LEASE_LOST"):
+    assert w.tokens(jid, ["b"]) == ["cancel"]  # the worker learns of the cancel from its next publish
+    assert w.tokens(jid, ["c"], lease="stale") == ["lost"]
+    with pytest.raises(LeaseLost):
         w.complete(jid, entry, "x", lease="stale")
     w.complete(jid, entry, "ab")
-    assert w.tokens(jid, ["late"]) == [-1]  # finished: no more writes
+    assert w.tokens(jid, ["late"]) == ["lost"]  # finished: no more writes
 
 
 def test_start_skips_cancelled_entry(client, rds):
@@ -131,8 +130,8 @@ def test_start_skips_cancelled_entry(client, rds):
     w = ScriptWorker(rds, client)
     (_, [(entry, _)]), = rds.xreadgroup(GROUP, "w1", {client.keys.jobs: ">"}, count=1)
     job.cancel()
-    status = w.s.start(w.start_keys(job.id), [GROUP, entry, "l", "w1", 1000, 1.0, 3, 60, 100])
-    assert status == ["skip", "cancelled"]
+    started = w.run(calls.start(client.keys, calls.Delivery(job.id, entry, "l"), SETTINGS, 1.0))
+    assert started == calls.Started("skip", state="cancelled")
     assert rds.xpending(client.keys.jobs, GROUP)["pending"] == 0
 
 
@@ -183,3 +182,20 @@ def test_long_wait_stays_under_socket_timeout(redis_url, queue):
     assert time.monotonic() - t >= 0.9
     with pytest.raises(TimeoutError):
         list(job.stream(timeout=0.8))
+
+
+def test_stream_after_the_end(client, rds):
+    """A reader that reconnects after the terminal event (an SSE Last-Event-ID) ends at once, not at its
+    timeout; one that comes after the events expired gets the stored result as the end."""
+    job = client.submit(prompt="a")
+    w = ScriptWorker(rds, client)
+    jid, entry, _ = w.take()
+    w.tokens(jid, ["x"])
+    w.complete(jid, entry, "x")
+    events = list(job.stream(timeout=5))
+    assert [e.type for e in events] == ["token", "done"]
+    assert list(job.stream(timeout=600, after=events[-1].event_id)) == []
+    assert [e.type for e in job.stream(timeout=5, after=events[0].event_id)] == ["done"]
+    rds.delete(client.keys.events(jid))
+    late = list(job.stream(timeout=600, after=events[0].event_id))
+    assert [e.type for e in late] == ["done"] and late[0].result.text == "x"

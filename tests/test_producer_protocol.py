@@ -64,3 +64,17 @@ def test_import_producer_leaves_torch_out():
     code = ("import sys, producer; bad = [m for m in ('torch', 'transformers', 'engine', 'worker') "
             "if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_producer_exports_everything_it_names():
+    import producer
+
+    assert sorted(producer.__all__) == sorted(producer._HOMES)
+    assert all(getattr(producer, name) for name in producer.__all__)
+
+
+def test_cli_and_protocol_load_without_redis():
+    """The GPU check runs where no `redis` package is installed: the CLI and the protocol modules must load."""
+    code = ("import sys; sys.modules['redis'] = None; import worker.cli, producer.defaults, producer.protocol, "
+            "producer.wire")
+    subprocess.run([sys.executable, "-c", code], check=True)

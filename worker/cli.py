@@ -6,7 +6,6 @@ import functools
 import json
 import logging
 import os
-import re
 import signal
 import sys
 import time
@@ -14,15 +13,16 @@ import time
 import click
 
 from bench.cli import bench as bench_command
-from producer.ops import DEFAULT_URL
+from producer import defaults
+from producer.protocol import Limits
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def queue_options(f):
-    @click.option("--redis-url", envvar=["PAGEDQ_REDIS_URL", "REDIS_URL"], default=DEFAULT_URL, show_default=True,
+    @click.option("--redis-url", envvar=["PAGEDQ_REDIS_URL", "REDIS_URL"], default=defaults.REDIS_URL, show_default=True,
                   help="Redis to use [env: PAGEDQ_REDIS_URL, REDIS_URL]")
-    @click.option("--queue", envvar="PAGEDQ_QUEUE", default="default", show_default=True,
+    @click.option("--queue", envvar="PAGEDQ_QUEUE", default=defaults.QUEUE, show_default=True,
                   help="Queue name [env: PAGEDQ_QUEUE]")
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
@@ -52,19 +52,20 @@ def main() -> None:
 @click.option("--block-size", envvar="PAGEDQ_BLOCK_SIZE", type=int, default=16)
 @click.option("--served-model-name", envvar="PAGEDQ_SERVED_MODEL_NAME", multiple=True,
               help="Names a job's `model` may use (repeatable); default: --model")
-@click.option("--result-ttl", envvar="PAGEDQ_RESULT_TTL", type=int, default=24 * 3600,
+@click.option("--result-ttl", envvar="PAGEDQ_RESULT_TTL", type=int, default=defaults.RESULT_TTL_S,
               help="Seconds a result and its event stream are kept")
-@click.option("--max-prompt-chars", envvar="PAGEDQ_MAX_PROMPT_CHARS", type=int, default=1_000_000)
-@click.option("--max-tokens-limit", envvar="PAGEDQ_MAX_TOKENS_LIMIT", type=int, default=32_768,
+@click.option("--max-prompt-chars", envvar="PAGEDQ_MAX_PROMPT_CHARS", type=int, default=Limits().max_prompt_chars)
+@click.option("--max-tokens-limit", envvar="PAGEDQ_MAX_TOKENS_LIMIT", type=int, default=Limits().max_tokens,
               help="Largest max_tokens a job may ask for")
-@click.option("--max-metadata-bytes", envvar="PAGEDQ_MAX_METADATA_BYTES", type=int, default=16_384)
+@click.option("--max-metadata-bytes", envvar="PAGEDQ_MAX_METADATA_BYTES", type=int,
+              default=Limits().max_metadata_bytes)
 @click.option("--drain-timeout", envvar="PAGEDQ_DRAIN_TIMEOUT", type=float, default=30.0,
               help="On SIGTERM: seconds running jobs may still finish; the rest are handed back")
-@click.option("--lease-ms", envvar="PAGEDQ_LEASE_MS", type=int, default=30_000,
+@click.option("--lease-ms", envvar="PAGEDQ_LEASE_MS", type=int, default=defaults.LEASE_MS,
               help="A job whose lease is not renewed this long is reclaimed by another worker")
-@click.option("--max-attempts", envvar="PAGEDQ_MAX_ATTEMPTS", type=int, default=3,
+@click.option("--max-attempts", envvar="PAGEDQ_MAX_ATTEMPTS", type=int, default=defaults.MAX_ATTEMPTS,
               help="Deliveries before a job goes to the dead-letter stream")
-@click.option("--dlq-cap", envvar="PAGEDQ_DLQ_CAP", type=int, default=10_000, help="Dead letters kept")
+@click.option("--dlq-cap", envvar="PAGEDQ_DLQ_CAP", type=int, default=defaults.DLQ_CAP, help="Dead letters kept")
 @click.option("--metrics-port", envvar="PAGEDQ_METRICS_PORT", type=int, default=None,
               help="Serve Prometheus metrics on this port")
 @click.option("--worker-id", envvar="PAGEDQ_WORKER_ID", default=None, help="Default: hostname-pid-random")
@@ -76,7 +77,6 @@ def worker(redis_url, queue, model, device, dtype, max_num_seqs, max_num_batched
     """Run one worker: pull jobs from QUEUE into the engine, stream tokens and results back."""
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     from engine import EngineConfig, LLMEngine
-    from producer.protocol import Limits
     from worker.worker import Worker, WorkerConfig
 
     dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
@@ -91,8 +91,20 @@ def worker(redis_url, queue, model, device, dtype, max_num_seqs, max_num_batched
                        metrics_port=metrics_port)
     if worker_id:
         cfg.worker_id = worker_id
-    w = Worker(engine, cfg)
+    import redis as redis_lib
 
+    from producer.connection import redact
+
+    try:
+        w = Worker(engine, cfg)
+        _stop_on_signals(w, drain_timeout)
+        w.run()
+    except (redis_lib.AuthenticationError, redis_lib.exceptions.NoPermissionError) as e:
+        # A credentials problem is the operator's to fix: say so plainly, without a traceback or the password.
+        raise click.ClickException(f"redis at {redact(redis_url)} refused this worker: {e}") from None
+
+
+def _stop_on_signals(w, drain_timeout: float) -> None:
     def on_signal(signum, frame):
         log = logging.getLogger("pagedq.worker")
         if w.stop_event.is_set():
@@ -104,18 +116,6 @@ def worker(redis_url, queue, model, device, dtype, max_num_seqs, max_num_batched
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    import redis as redis_lib
-
-    try:
-        w.run()
-    except (redis_lib.AuthenticationError, redis_lib.exceptions.NoPermissionError) as e:
-        # A credentials problem is the operator's to fix: say so plainly, without a traceback or the password.
-        raise click.ClickException(f"redis at {redact(redis_url)} refused this worker: {e}") from None
-
-
-def redact(url: str) -> str:
-    """The URL without its password, fit for logs."""
-    return re.sub(r"(://[^:@/]*:)[^@/]*@", r"\1***@", url)
 
 
 @main.command()
@@ -331,6 +331,18 @@ def demo(model, device, num_jobs, max_tokens) -> None:
 
 
 main.add_command(bench_command)
+
+
+@main.command("gpu-check")
+@click.option("--out", default="docs/bench/gpu-check.json", help="Where the JSON goes")
+@click.option("--device", default="cuda")
+@click.option("--sections", default="kernels,bandwidth,graphs,e2e", help="Comma-separated subset")
+@click.option("--model", default="smollm2-135m-instruct")
+def gpu_check(out, device, sections, model) -> None:
+    """On a GPU: kernel correctness, attention bandwidth, CUDA graphs vs eager, end to end vs transformers."""
+    from worker.gpu_check import run
+
+    sys.exit(run(out, device, sections.split(","), model, echo=click.echo))
 
 
 if __name__ == "__main__":

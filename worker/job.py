@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from producer.calls import Delivery
 from producer.protocol import ErrorInfo, JobRequest, JobResult, Timings, TokenLogprob, Usage
 
 FINISH = {"stop": "stop", "length": "length", "abort": "cancelled"}
@@ -26,6 +27,10 @@ class RunningJob:
     emitted: int = 0  # output tokens in its event stream (those of earlier deliveries included)
     resume_ids: list[int] | None = None  # output an earlier delivery streamed, that this one continues
     resume_text: str = ""
+
+    @property
+    def delivery(self) -> Delivery:
+        return Delivery(self.id, self.entry, self.lease)
 
     def result(self, status: str, worker: str, model: str | None, finished_at: float, out=None,
                finish_reason: str | None = None, error: ErrorInfo | None = None) -> JobResult:

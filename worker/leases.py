@@ -13,25 +13,24 @@ import threading
 
 import redis as redis_lib
 
-from producer.keys import GROUP, Keys
-from producer.scripts import Scripts
-from worker.pipeline import evalsha_all
+from producer import calls
+from producer.keys import Keys
+from worker.pipeline import run_calls
 
 log = logging.getLogger("pagedq.worker")
 
 
 class LeaseKeeper(threading.Thread):
-    def __init__(self, r: redis_lib.Redis, keys: Keys, scripts: Scripts, worker_id: str, lease_ms: int,
-                 held, notices: queue.SimpleQueue) -> None:
+    def __init__(self, r: redis_lib.Redis, keys: Keys, settings: calls.WorkerSettings, held,
+                 notices: queue.SimpleQueue) -> None:
         """`held()` returns the jobs to renew (RunningJob); lost leases and cancels go to `notices`."""
         super().__init__(name="pagedq-leases", daemon=True)
-        self.r, self.keys, self.scripts, self.worker_id = r, keys, scripts, worker_id
-        self.lease_ms = lease_ms
+        self.r, self.keys, self.settings = r, keys, settings
         self.held = held
         self.notices = notices
         self.stop_event = threading.Event()
         # Three renewals per lease: one late or failed renewal still leaves the lease alive.
-        self.interval = lease_ms / 3000
+        self.interval = settings.lease_ms / 3000
 
     def run(self) -> None:
         while not self.stop_event.wait(self.interval):
@@ -44,18 +43,12 @@ class LeaseKeeper(threading.Thread):
         jobs = self.held()
         if not jobs:
             return
-        keys = [self.keys.jobs] + [self.keys.job(j.id) for j in jobs]
-        args: list = [GROUP, self.worker_id, self.lease_ms]
-        for j in jobs:
-            args += (j.lease, j.entry)
-        (codes,) = evalsha_all(self.r, self.scripts, [("renew", keys, args)], retries=1)
-        if isinstance(codes, Exception):
-            raise codes
-        for job, code in zip(jobs, codes, strict=True):
-            if code == -1:
-                self.notices.put(("lost", job.id, job.lease))
-            elif code == 1:
-                self.notices.put(("cancel", job.id, job.lease))
+        (acks,) = run_calls(self.r, [calls.renew(self.keys, self.settings, [j.delivery for j in jobs])], retries=1)
+        if isinstance(acks, Exception):
+            raise acks
+        for job, ack in zip(jobs, acks, strict=True):
+            if ack != "ok":
+                self.notices.put((ack, job.id, job.lease))
 
     def close(self) -> None:
         self.stop_event.set()

@@ -14,12 +14,13 @@ import time
 
 import redis as redis_lib
 
-from producer.keys import GROUP, Keys
+from producer import calls, wire
+from producer.errors import LeaseLost
+from producer.keys import Keys
 from producer.protocol import ErrorInfo, TokenLogprob
-from producer.scripts import Scripts
 from worker.job import RunningJob
 from worker.metrics import Metrics
-from worker.pipeline import evalsha_all
+from worker.pipeline import run_calls
 
 log = logging.getLogger("pagedq.worker")
 
@@ -27,13 +28,12 @@ _STOP = object()
 
 
 class Publisher(threading.Thread):
-    def __init__(self, r: redis_lib.Redis, keys: Keys, scripts: Scripts, worker_id: str, model: str,
-                 result_ttl: int, metrics: Metrics, max_attempts: int = 3, dlq_cap: int = 10_000) -> None:
+    def __init__(self, r: redis_lib.Redis, keys: Keys, settings: calls.WorkerSettings, model: str,
+                 metrics: Metrics) -> None:
         super().__init__(name="pagedq-publisher", daemon=True)
-        self.r, self.keys, self.scripts = r, keys, scripts
-        self.worker_id, self.model, self.ttl, self.metrics = worker_id, model, result_ttl, metrics
+        self.r, self.keys, self.settings = r, keys, settings
+        self.worker_id, self.model, self.ttl, self.metrics = settings.worker_id, model, settings.ttl, metrics
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.max_attempts, self.dlq_cap = max_attempts, dlq_cap
         # To the step loop: ("cancel" | "lost", job id, lease), learned from publish and renew replies.
         self.notices: queue.SimpleQueue = queue.SimpleQueue()
         self.cond = threading.Condition()
@@ -127,82 +127,78 @@ class Publisher(threading.Thread):
             self.cond.notify_all()
 
     def flush(self, batch: list) -> None:
-        k = self.keys
-        tok_keys, tok_args, tok_jobs = [], [], []
-        ends = []  # (job, status, script, keys, args)
+        chunks: list[tuple[RunningJob, calls.Chunk]] = []
+        ends: list[tuple[RunningJob, str, calls.Call]] = []  # (job, its final status or "released", call)
         for op in batch:
-            kind = op[0]
-            if kind == "step":
-                _, items, now = op
-                for job, out, offset in items:
-                    chunk = self._token_event(job, out) if out.new_token_ids or out.new_text else ""
-                    if out.finished:
-                        # The last chunk rides with the result: a stream never holds all tokens but no end.
-                        res = job.result("completed", self.worker_id, self.model, now, out=out)
-                        ends.append(self._end_call(job, "completed", "done", res.model_dump_json(), chunk, offset))
-                    elif chunk:
-                        tok_keys += (k.job(job.id), k.events(job.id))
-                        tok_args += (job.lease, offset, len(out.new_token_ids), chunk)
-                        tok_jobs.append(job)
-            elif kind == "end":
-                _, job, status, reason, now = op
-                res = job.result(status, self.worker_id, self.model, now, finish_reason=reason)
-                ends.append(self._end_call(job, status, "cancelled" if status == "cancelled" else "error",
-                                           res.model_dump_json()))
-            elif kind == "release":
-                _, job, mode, err, now = op
-                ends.append((job, "released", "release",
-                             [k.job(job.id), k.jobs, k.events(job.id), k.result(job.id), k.dlq],
-                             [GROUP, job.entry, job.lease, mode, err.type, err.message, self.max_attempts,
-                              self.ttl, self.dlq_cap, self.worker_id]))
+            if op[0] == "step":
+                self._step_calls(op[1], op[2], chunks, ends)
             else:
-                _, job, err, now = op
-                res = job.result("failed", self.worker_id, self.model, now, finish_reason="error", error=err)
-                ends.append((job, "failed", "fail",
-                             [k.job(job.id), k.events(job.id), k.result(job.id), k.jobs],
-                             [job.lease, GROUP, job.entry, res.model_dump_json(), self.ttl]))
-        calls = [("publish", tok_keys, tok_args)] if tok_keys else []
-        calls += [(script, keys, args) for _, _, script, keys, args in ends]
+                ends.append(self._end_call(op))
+        todo = [calls.publish(self.keys, [c for _, c in chunks])] if chunks else []
+        todo += [call for _, _, call in ends]
         t = time.perf_counter()
-        replies = evalsha_all(self.r, self.scripts, calls)
+        outs = run_calls(self.r, todo)
         with self.cond:
             self.pending_acks -= len(ends)
             self.metrics.pending_acks.set(self.pending_acks)
             self.cond.notify_all()
         self.metrics.publish_seconds.observe(time.perf_counter() - t)
-        if tok_keys:
-            codes = replies.pop(0)
-            if isinstance(codes, Exception):
-                log.error("publish failed: %s", codes)
-                codes = [0] * len(tok_jobs)
-            for job, code in zip(tok_jobs, codes, strict=True):
-                if code == 1:
-                    self.notices.put(("cancel", job.id, job.lease))
-                elif code == -1:
-                    self.metrics.lease_lost.inc()
-                    log.warning("job %s: lease lost: token write refused", job.id)
-                    self.notices.put(("lost", job.id, job.lease))
-        for (job, status, *_), reply in zip(ends, replies, strict=True):
-            if isinstance(reply, Exception):
-                if str(reply).startswith("LEASE_LOST"):
-                    self.metrics.lease_lost.inc()
-                    log.warning("job %s: lease lost: %s refused", job.id, status)
-                else:
-                    log.error("job %s: could not write its result: %s", job.id, reply)
-            elif status == "released":
-                if reply[0] == "dead":
-                    log.warning("job %s: dead-lettered after %s attempts", job.id, reply[1])
-                    self.metrics.job_done("failed")
-                else:
-                    log.info("job %s: handed back to the queue", job.id)
-            else:
-                self.metrics.job_done(status)
+        if chunks:
+            self._read_acks([job for job, _ in chunks], outs.pop(0))
+        for (job, status, _), out in zip(ends, outs, strict=True):
+            self._read_end(job, status, out)
 
-    def _end_call(self, job: RunningJob, status: str, event: str, result_json: str, chunk: str = "",
-                  offset: int = 0) -> tuple:
-        k = self.keys
-        return (job, status, "complete", [k.job(job.id), k.events(job.id), k.result(job.id), k.jobs],
-                [job.lease, GROUP, job.entry, status, event, result_json, self.ttl, chunk, offset])
+    def _step_calls(self, items: list, now: float, chunks: list, ends: list) -> None:
+        for job, out, offset in items:
+            chunk = None
+            if out.new_token_ids or out.new_text:
+                chunk = calls.Chunk(job.id, job.lease, offset, len(out.new_token_ids), self._token_event(job, out))
+            if out.finished:
+                # The last chunk rides with the result: a stream never holds all tokens but no end.
+                res = job.result(wire.COMPLETED, self.worker_id, self.model, now, out=out)
+                ends.append((job, wire.COMPLETED, calls.complete(self.keys, job.delivery, wire.COMPLETED,
+                                                                 res.model_dump_json(), self.ttl, chunk)))
+            elif chunk:
+                chunks.append((job, chunk))
+
+    def _end_call(self, op: tuple) -> tuple[RunningJob, str, calls.Call]:
+        kind, job = op[0], op[1]
+        if kind == "end":
+            _, _, status, reason, now = op
+            res = job.result(status, self.worker_id, self.model, now, finish_reason=reason)
+            return job, status, calls.complete(self.keys, job.delivery, status, res.model_dump_json(), self.ttl)
+        if kind == "release":
+            _, _, mode, err, _ = op
+            return job, "released", calls.release(self.keys, job.delivery, self.settings, mode, err.type,
+                                                  err.message)
+        _, _, err, now = op
+        res = job.result(wire.FAILED, self.worker_id, self.model, now, finish_reason="error", error=err)
+        return job, wire.FAILED, calls.fail(self.keys, job.delivery, res.model_dump_json(), self.ttl)
+
+    def _read_acks(self, jobs: list[RunningJob], acks) -> None:
+        if isinstance(acks, Exception):
+            log.error("publish failed: %s", acks)
+            return
+        for job, ack in zip(jobs, acks, strict=True):
+            if ack == "lost":
+                self.metrics.lease_lost.inc()
+                log.warning("job %s: lease lost: token write refused", job.id)
+            if ack != "ok":
+                self.notices.put((ack, job.id, job.lease))
+
+    def _read_end(self, job: RunningJob, status: str, out) -> None:
+        if isinstance(out, LeaseLost):
+            self.metrics.lease_lost.inc()
+            log.warning("job %s: lease lost: %s refused", job.id, status)
+        elif isinstance(out, Exception):
+            log.error("job %s: could not write its result: %s", job.id, out)
+        elif status != "released":
+            self.metrics.job_done(status)
+        elif out.outcome == "dead":
+            log.warning("job %s: dead-lettered after %s attempts", job.id, out.attempts)
+            self.metrics.job_done(wire.FAILED)
+        else:
+            log.info("job %s: handed back to the queue", job.id)
 
     def _token_event(self, job: RunningJob, out) -> str:
         ev = {"type": "token", "text": out.new_text, "token_ids": out.new_token_ids}

@@ -6,7 +6,8 @@ import json
 
 import redis as redis_lib
 
-from producer.keys import EVENT_FIELD, Keys
+from producer.keys import Keys
+from producer.wire import EVENT_FIELD
 
 
 def read_output(r: redis_lib.Redis, keys: Keys, job_id: str) -> tuple[list[int], str]:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import json
 
 from pydantic import ValidationError
 
 from engine import SamplingParams
-from producer.keys import ENTRY_JOB
 from producer.protocol import JobRequest, Limits
+from producer.wire import ENTRY_JOB
 
 
 class Rejected(Exception):
@@ -33,7 +34,10 @@ def parse(fields: dict, job_id: str, limits: Limits, served: set[str]) -> JobReq
         parts = [f"{'.'.join(str(x) for x in err['loc']) or 'request'}: {err['msg']}" for err in errs]
         raise Rejected("invalid_request", "; ".join(parts)) from None
     if req.id != job_id:
-        raise Rejected("invalid_request", f"the JSON's id {req.id!r} differs from the entry's id {job_id!r}")
+        if "id" in req.model_fields_set and json.loads(raw).get("id") is not None:
+            raise Rejected("invalid_request", f"the JSON's id {req.id!r} differs from the entry's id {job_id!r}")
+        # A producer that XADDs by hand may leave the id out of the JSON: the entry's id names the job.
+        req = req.model_copy(update={"id": job_id})
     if req.model is not None and req.model not in served:
         raise Rejected("unknown_model",
                        f"model {req.model!r} is not served on this queue; this worker serves {sorted(served)}")

@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 
 import redis as redis_lib
 
-from producer.keys import ENTRY_ID, GROUP, Keys
+from producer import calls, defaults, scripts, wire
+from producer.connection import connect
+from producer.keys import GROUP, Keys
 from producer.protocol import Limits
-from producer.scripts import Scripts
 from worker.job import RunningJob
 from worker.leases import LeaseKeeper
 from worker.metrics import Metrics
-from worker.pipeline import evalsha_all
+from worker.pipeline import run_calls
 from worker.publisher import Publisher
 from worker.resume import read_output
 from worker.validate import Rejected, parse, prompt_ids, sampling_params
@@ -37,13 +38,13 @@ def make_worker_id() -> str:
 
 @dataclass
 class WorkerConfig:
-    redis_url: str = "redis://localhost:6379/0"
-    queue: str = "default"
+    redis_url: str = defaults.REDIS_URL
+    queue: str = defaults.QUEUE
     worker_id: str = field(default_factory=make_worker_id)
-    result_ttl: int = 24 * 3600  # seconds; the event stream and the job hash live as long
-    lease_ms: int = 30_000  # a job whose lease is not renewed for this long is reclaimed by another worker
-    max_attempts: int = 3  # deliveries that did not finish before a job goes to the dead-letter stream
-    dlq_cap: int = 10_000  # dead letters kept per queue
+    result_ttl: int = defaults.RESULT_TTL_S
+    lease_ms: int = defaults.LEASE_MS
+    max_attempts: int = defaults.MAX_ATTEMPTS
+    dlq_cap: int = defaults.DLQ_CAP
     block_ms: int = 1000  # longest idle XREADGROUP BLOCK: how often an idle worker looks at its stop flag
     socket_timeout: float = 10.0  # a Redis reply that takes longer is a dead connection: reconnect
     drain_timeout: float = 30.0  # on stop: how long running jobs may still finish before they are handed back
@@ -61,26 +62,28 @@ class Worker:
         # socket_timeout cuts a read that never returns (a half-open connection); it must exceed block_ms.
         # encoding_errors: a producer that XADDs bytes that are not UTF-8 must get a failed job (its JSON no
         # longer parses), not a decode error that kills intake and every job read in the same batch.
-        self.r = redis or redis_lib.Redis.from_url(
+        self.r = redis if redis is not None else connect(
             config.redis_url, decode_responses=True, encoding_errors="replace",
             socket_timeout=max(config.socket_timeout, config.block_ms / 1000 + 2),
             socket_connect_timeout=5, socket_keepalive=True)
-        self.scripts = Scripts(self.r)
+        self.settings = calls.WorkerSettings(self.id, config.lease_ms, config.max_attempts, config.result_ttl,
+                                             config.dlq_cap)
         self.metrics = Metrics(config.queue, config.metrics_port)
         self.metrics.kv_total.set(engine.num_total_blocks)
         self.served = set(config.served_models) or {engine.model_name}
         self.model = engine.model_name
         self.active: dict[str, RunningJob] = {}
         self.stop_event = threading.Event()
-        self.publisher = Publisher(self.r, self.keys, self.scripts, self.id, self.model, config.result_ttl,
-                                   self.metrics, config.max_attempts, config.dlq_cap)
-        self.leases = LeaseKeeper(self.r, self.keys, self.scripts, self.id, config.lease_ms,
-                                  lambda: list(self.active.copy().values()), self.publisher.notices)
+        self.publisher = Publisher(self.r, self.keys, self.settings, self.model, self.metrics)
+        self.leases = LeaseKeeper(self.r, self.keys, self.settings, lambda: list(self.active.copy().values()),
+                                  self.publisher.notices)
+        # Jobs on their last delivery after failed ones (start.lua said "later"): each runs alone, once the
+        # engine is empty, so that a job that kills its workers takes no other job down with it.
+        self.deferred: list[tuple[str, dict]] = []
+        self.solo: str | None = None  # the job running alone now
         self.steps = 0
         self.next_reap = 0.0
         self.reap_cursor = "0-0"
-        # Test hook (fault tests): a job whose prompt holds this marker fails in the worker on every delivery.
-        self.poison = os.environ.get("PAGEDQ_FAULT_POISON") or None
 
     def stop(self) -> None:
         """Ask the loop to stop taking jobs; it finishes what it runs (up to drain_timeout), then returns."""
@@ -119,9 +122,11 @@ class Worker:
         except redis_lib.ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
-        self.scripts.load_all(self.r)
+        scripts.load_all(self.r)
 
     def _intake(self) -> None:
+        if self._alone_gate():
+            return
         # PEL = jobs in the engine + finished jobs not yet acked + what we read now <= what the engine admits.
         room = self.engine.num_admittable() - self.publisher.pending_acks
         idle = not self.engine.has_unfinished_requests()
@@ -159,71 +164,76 @@ class Worker:
             self._admit(entries)
         return len(entries)
 
-    def _admit(self, entries: list) -> None:
+    def _alone_gate(self) -> bool:
+        """True while a job runs alone or waits to: intake takes nothing new then. Starts the next waiting one
+        once the engine is empty."""
+        if self.solo in self.active:
+            return True
+        self.solo = None
+        if not self.deferred:
+            return False
+        if not self.active and not self.engine.has_unfinished_requests():
+            self._admit([self.deferred.pop(0)], alone=True)
+        return True
+
+    def _admit(self, entries: list, alone: bool = False) -> None:
         now = time.time()
-        taken = []
-        calls = []
-        for entry, fields in entries:
-            fields = fields or {}
-            job_id = fields.get(ENTRY_ID) or entry
-            lease = secrets.token_hex(8)
-            taken.append((entry, fields, job_id, lease))
-            k = self.keys
-            calls.append(("start", [k.job(job_id), k.jobs, k.events(job_id), k.result(job_id), k.dlq],
-                          [GROUP, entry, lease, self.id, self.cfg.lease_ms, repr(now), self.cfg.max_attempts,
-                           self.cfg.result_ttl, self.cfg.dlq_cap]))
-        replies = evalsha_all(self.r, self.scripts, calls)
-        for (entry, fields, job_id, lease), reply in zip(taken, replies, strict=True):
-            if isinstance(reply, Exception):
-                log.error("job %s: start failed: %s", job_id, reply)
-                continue
-            if reply[0] == "busy":
-                continue
-            if reply[0] == "dead":
-                log.warning("job %s: dead-lettered after %s deliveries", job_id, reply[1])
-                self.metrics.job_done("failed")
-                continue
-            if reply[0] != "ok":
-                log.info("job %s: skipped (%s)", job_id, reply[1])
-                continue
-            old = self.active.get(job_id)
-            if old is not None:  # our own job, reclaimed after our renewals failed: run it afresh from its stream
-                self._drop(job_id)
-            enq = float(reply[2]) if reply[2] else None
-            job = RunningJob(id=job_id, entry=entry, lease=lease, attempts=int(reply[1]), enqueued_at=enq,
-                             started_at=now)
-            try:
-                if int(reply[3]):
-                    job.resume_ids, job.resume_text = read_output(self.r, self.keys, job_id)
-                    job.emitted = len(job.resume_ids)
-                    log.info("job %s: resuming after %d tokens (attempt %d)", job_id, job.emitted, job.attempts)
-                self._add(job, fields, now)
-            except Rejected as e:
-                log.info("job %s rejected: %s: %s", job_id, e.type, e.message)
-                self.publisher.fail(job, e.type, e.message)
-            except Exception as e:
-                # Not the request's fault as far as we know: another delivery may pass; repeated, it dead-letters.
-                log.exception("job %s: failed in the worker", job_id)
-                self.active.pop(job_id, None)
-                self.engine.abort(job_id)
-                self.publisher.release(job, "retry", "worker_error", f"{type(e).__name__}: {e}")
+        # A foreign producer may XADD without an id field: the entry id names the job then.
+        taken = [(calls.Delivery((f or {}).get(wire.ENTRY_ID) or entry, entry, secrets.token_hex(8)), f or {})
+                 for entry, f in entries]
+        outs = run_calls(self.r, [calls.start(self.keys, d, self.settings, now, alone) for d, _ in taken])
+        for (d, fields), out in zip(taken, outs, strict=True):
+            if isinstance(out, Exception):
+                log.error("job %s: start failed: %s", d.job_id, out)
+            elif out.outcome == "dead":
+                log.warning("job %s: dead-lettered after %s deliveries", d.job_id, out.attempts)
+                self.metrics.job_done(wire.FAILED)
+            elif out.outcome == "skip":
+                log.info("job %s: skipped (%s)", d.job_id, out.state)
+            elif out.outcome == "later":
+                log.warning("job %s: its last delivery after failed ones: it will run alone", d.job_id)
+                self.deferred.append((d.entry, fields))
+            elif out.outcome == "ok":
+                self.solo = d.job_id if alone else self.solo
+                self._begin(d, fields, out, now)
+
+    def _begin(self, d: calls.Delivery, fields: dict, started: calls.Started, now: float) -> None:
+        """Run a job this worker now holds: add it to the engine, or end it at once with a clear reason."""
+        job_id = d.job_id
+        if job_id in self.active:  # our own job, reclaimed after our renewals failed: run it afresh from its stream
+            self._drop(job_id)
+        job = RunningJob(id=job_id, entry=d.entry, lease=d.lease, attempts=started.attempts,
+                         enqueued_at=started.enqueued_at, started_at=now)
+        try:
+            if started.emitted:
+                job.resume_ids, job.resume_text = read_output(self.r, self.keys, job_id)
+                job.emitted = len(job.resume_ids)
+                log.info("job %s: resuming after %d tokens (attempt %d)", job_id, job.emitted, job.attempts)
+            self._add(job, fields, now)
+        except Rejected as e:
+            log.info("job %s rejected: %s: %s", job_id, e.type, e.message)
+            self.publisher.fail(job, e.type, e.message)
+        except Exception as e:
+            # Not the request's fault as far as we know: another delivery may pass; repeated, it dead-letters.
+            log.exception("job %s: failed in the worker", job_id)
+            self.active.pop(job_id, None)
+            self.engine.abort(job_id)
+            self.publisher.release(job, wire.RETRY, "worker_error", f"{type(e).__name__}: {e}")
 
     def _add(self, job: RunningJob, fields: dict, now: float) -> None:
         req = job.request = parse(fields, job.id, self.cfg.limits, self.served)
         if req.timeout_s is not None:
             job.deadline = (job.enqueued_at or now) + req.timeout_s
             if now >= job.deadline:
-                self.publisher.end(job, "expired", "expired")
+                self.publisher.end(job, wire.EXPIRED, "expired")
                 return
-        if self.poison and self.poison in (req.prompt or ""):
-            raise RuntimeError("poison job (PAGEDQ_FAULT_POISON test hook)")
         params = sampling_params(req)
         ids = prompt_ids(req, self.engine)
         job.prompt_tokens = len(ids)
         if job.resume_ids and (len(job.resume_ids) >= req.max_tokens
                                or len(ids) + len(job.resume_ids) >= self.engine.max_model_len):
             # Its last delivery streamed every token it may have but died before the result: finish it here.
-            self.publisher.end(job, "completed", "length")
+            self.publisher.end(job, wire.COMPLETED, "length")
             return
         try:
             self.engine.add_request(job.id, prompt_token_ids=ids, params=params, priority=req.priority,
@@ -268,7 +278,7 @@ class Worker:
     def _expire(self, now: float) -> None:
         for job in [j for j in self.active.values() if j.deadline is not None and now >= j.deadline]:
             self._drop(job.id)
-            self.publisher.end(job, "expired", "expired")
+            self.publisher.end(job, wire.EXPIRED, "expired")
 
     def _notices(self) -> None:
         notices = self.publisher.notices
@@ -279,7 +289,7 @@ class Worker:
                 continue
             job = self._drop(job_id)
             if kind == "cancel":
-                self.publisher.end(job, "cancelled", "cancelled")
+                self.publisher.end(job, wire.CANCELLED, "cancelled")
             else:
                 log.warning("job %s: lease lost; dropped from the batch", job_id)
 
@@ -295,7 +305,7 @@ class Worker:
         if self.active:
             log.info("handing %d unfinished jobs back to the queue", len(self.active))
         for job_id in list(self.active):
-            self.publisher.release(self._drop(job_id), "handback")
+            self.publisher.release(self._drop(job_id), wire.HANDBACK)
 
     def _abandon(self, type: str, message: str) -> None:
         for job_id in list(self.active):

@@ -1,0 +1,244 @@
+// Types of pagedq's JavaScript client. The wire objects (JobRequest, JobResult, StreamEvent) keep the snake_case
+// field names of producer/protocol.py, so that they read the same in Python, in Redis and in JavaScript.
+
+import type { RedisClientType } from 'redis';
+
+export type JobStatus = 'queued' | 'running' | 'completed' | 'failed' | 'cancelled' | 'expired';
+export type TerminalStatus = 'completed' | 'failed' | 'cancelled' | 'expired';
+export type FinishReason = 'stop' | 'length' | 'cancelled' | 'error' | 'expired';
+export type JsonValue = string | number | boolean | null | JsonValue[] | { [key: string]: JsonValue };
+
+export interface Message {
+  role: string;
+  content: string;
+}
+
+/** One generation job (producer/protocol.py JobRequest). Give exactly one of `prompt` and `messages`. */
+export interface JobRequest {
+  /** The idempotency key: a second submit with the same id is refused. Default: a fresh random id. */
+  id?: string | null;
+  /** null: whatever model the queue's workers serve. */
+  model?: string | null;
+  prompt?: string | null;
+  messages?: Message[] | null;
+  /** Default 256. */
+  max_tokens?: number;
+  /** Default 1.0; 0 is greedy. */
+  temperature?: number;
+  top_p?: number;
+  /** 0 or -1: off. */
+  top_k?: number;
+  min_p?: number;
+  seed?: number | null;
+  stop?: string | string[] | null;
+  stop_token_ids?: number[];
+  ignore_eos?: boolean;
+  logprobs?: number | null;
+  /** Lower runs first. */
+  priority?: number;
+  /** Seconds from enqueue; past it the job expires. */
+  timeout_s?: number | null;
+  /** Opaque to the worker; echoed in the result. */
+  metadata?: { [key: string]: JsonValue };
+}
+
+/** Size limits checked at submit (producer/protocol.py Limits); the worker checks them again. */
+export interface Limits {
+  max_prompt_chars: number;
+  max_messages: number;
+  max_tokens: number;
+  max_metadata_bytes: number;
+  max_stop: number;
+}
+
+export interface Usage {
+  prompt_tokens: number;
+  completion_tokens: number;
+  cached_tokens: number;
+}
+
+/** Unix times in seconds. enqueued_at is the producer's clock; the others are the worker's. */
+export interface Timings {
+  enqueued_at: number | null;
+  started_at: number | null;
+  first_token_at: number | null;
+  finished_at: number | null;
+}
+
+export interface ErrorInfo {
+  /** invalid_request | unknown_model | limit_exceeded | engine_error | max_attempts | ... */
+  type: string;
+  message: string;
+}
+
+export interface TokenLogprob {
+  token_id: number;
+  logprob: number;
+  top: { [tokenId: string]: number };
+}
+
+/** A job's final result (producer/protocol.py JobResult), every field present. */
+export interface JobResult {
+  id: string;
+  status: JobStatus;
+  text: string;
+  token_ids: number[];
+  finish_reason: FinishReason | null;
+  usage: Usage;
+  timings: Timings;
+  worker: string | null;
+  attempts: number;
+  error: ErrorInfo | null;
+  model: string | null;
+  logprobs: TokenLogprob[] | null;
+  metadata: { [key: string]: JsonValue };
+}
+
+interface EventBase {
+  /** The event's stream entry id: pass it as `after` to resume after it (SSE's Last-Event-ID). null for a
+   * terminal event rebuilt from the stored result after the job's events expired. */
+  event_id: string | null;
+  logprobs: TokenLogprob[] | null;
+}
+
+export interface TokenEvent extends EventBase {
+  type: 'token';
+  /** The new text. */
+  text: string;
+  /** The new token ids. */
+  token_ids: number[];
+  result: null;
+}
+
+/** The last event of every job: "done" (completed), "error" (failed or expired) or "cancelled". */
+export interface TerminalEvent extends EventBase {
+  type: 'done' | 'error' | 'cancelled';
+  text: string;
+  token_ids: number[];
+  result: JobResult;
+}
+
+export type StreamEvent = TokenEvent | TerminalEvent;
+
+export interface ClientOptions {
+  /** Default: $REDIS_URL, else redis://localhost:6379/0. Ignored when `redis` is given. */
+  url?: string;
+  /** Default "default": 1-128 characters of [A-Za-z0-9_.:-]. */
+  queue?: string;
+  /** Seconds a cancelled queued job's result and events are kept. Default 86400. */
+  resultTtl?: number;
+  /** Overrides of the default Limits. */
+  limits?: Partial<Limits>;
+  /** A node-redis client to use (the caller closes it); blocking reads use duplicates of it. */
+  redis?: RedisClientType<any, any, any, any, any>;
+  /** Called with connection errors (node-redis reconnects by itself); default: ignored. */
+  onError?: (err: Error) => void;
+}
+
+export interface WaitOptions {
+  /** Give up with TimeoutError after this long; default: wait for ever. */
+  timeoutMs?: number;
+  /** Stops the wait (it rejects with the signal's reason), e.g. when the HTTP client went away. */
+  signal?: AbortSignal;
+}
+
+export interface StreamOptions extends WaitOptions {
+  /** Resume after this event id (a stream entry id, e.g. SSE's Last-Event-ID). Default "0-0": from the start. */
+  after?: string;
+}
+
+export type CancelReply = 'cancelled' | 'cancelling' | TerminalStatus;
+
+export class Client {
+  constructor(options?: ClientOptions);
+  readonly queue: string;
+  readonly keys: Keys;
+  readonly redis: RedisClientType<any, any, any, any, any>;
+  readonly resultTtl: number;
+  readonly limits: Limits;
+  /** Connects now (every method connects on first use anyway). */
+  connect(): Promise<this>;
+  /** Enqueues one job. Throws InvalidRequestError, DuplicateJobError. */
+  submit(request: JobRequest): Promise<Job>;
+  /** Enqueues many jobs in one round trip. Throws DuplicateJobError (listing the refused ids; `jobs` holds the
+   * submitted ones) after submitting every other job. */
+  submitMany(requests: Iterable<JobRequest>): Promise<Job[]>;
+  job(jobId: string): Job;
+  /** Throws JobNotFound. */
+  status(jobId: string): Promise<JobStatus>;
+  /** Waits for the final result (blocking XREAD, no polling). Throws TimeoutError, JobNotFound. */
+  result(jobId: string, options?: WaitOptions): Promise<JobResult>;
+  /** Token events, then exactly one terminal event. Throws TimeoutError, JobNotFound. */
+  stream(jobId: string, options?: StreamOptions): AsyncGenerator<StreamEvent, void, undefined>;
+  /** "cancelled" (it was queued), "cancelling" (it runs; its worker stops it), or its final state unchanged. */
+  cancel(jobId: string): Promise<CancelReply>;
+  /** Closes the client's connections (not a `redis` passed in). */
+  close(): Promise<void>;
+  [Symbol.asyncDispose](): Promise<void>;
+}
+
+export function createClient(options?: ClientOptions): Client;
+
+/** A handle on one job. */
+export class Job {
+  constructor(client: Client, jobId: string);
+  readonly client: Client;
+  readonly id: string;
+  status(): Promise<JobStatus>;
+  result(options?: WaitOptions): Promise<JobResult>;
+  stream(options?: StreamOptions): AsyncGenerator<StreamEvent, void, undefined>;
+  cancel(): Promise<CancelReply>;
+  toJSON(): { id: string };
+}
+
+/** The key names of one queue (producer/keys.py). */
+export class Keys {
+  constructor(queue: string);
+  readonly queue: string;
+  readonly base: string;
+  readonly jobs: string;
+  readonly dlq: string;
+  readonly group: string;
+  job(jobId: string): string;
+  events(jobId: string): string;
+  result(jobId: string): string;
+}
+
+export function checkQueue(queue: string): string;
+export const PREFIX: string;
+export const GROUP: string;
+export const STATES: readonly JobStatus[];
+export const TERMINAL_STATES: readonly TerminalStatus[];
+export const TERMINAL_EVENT: { readonly [S in TerminalStatus]: TerminalEvent['type'] };
+export const DEFAULT_URL: string;
+export const DEFAULT_TTL: number;
+export const DEFAULT_LIMITS: Readonly<Limits>;
+
+/** A validated request with every field set (defaults filled in, an id made). Throws InvalidRequestError. */
+export function makeRequest(request: JobRequest, limits?: Partial<Limits>): Required<Omit<JobRequest, 'stop'>> & {
+  id: string;
+  stop: string[];
+};
+/** The wire JSON of a request made by makeRequest (fields that hold their default left out). */
+export function encodeRequest(request: ReturnType<typeof makeRequest>): string;
+export function newId(): string;
+export function normalizeResult(result: Partial<JobResult> & { id: string; status: JobStatus }): JobResult;
+export function parseEvent(entryId: string, fields: string[]): StreamEvent;
+
+export class PagedqError extends Error {}
+export class DuplicateJobError extends PagedqError {
+  /** The refused ids. */
+  readonly ids: string[];
+  /** submitMany: the jobs that were submitted. */
+  readonly jobs: Job[];
+}
+export class JobNotFound extends PagedqError {
+  readonly jobId: string;
+}
+export class InvalidRequestError extends PagedqError {
+  /** The offending field, e.g. "max_tokens" or "messages[0].role". */
+  readonly field: string;
+}
+export class TimeoutError extends PagedqError {
+  readonly jobId: string;
+}

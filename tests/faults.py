@@ -1,0 +1,56 @@
+"""Helpers of the fault tests: waiting for states (never for time or counts), reading worker logs."""
+
+from __future__ import annotations
+
+import time
+
+from producer import JobRequest
+
+
+def wait_for(cond, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def streaming_on(rds, c, pid: int, reqs) -> list[str]:
+    """The jobs that worker `pid` runs now (it holds their lease) and that have streamed tokens already."""
+    held = []
+    for r in reqs:
+        state, worker = rds.hmget(c.keys.job(r.id), "state", "worker")
+        if state == "running" and worker and f"-{pid}-" in worker and rds.xlen(c.keys.events(r.id)) >= 1:
+            held.append(r.id)
+    return held
+
+
+def started(p) -> bool:
+    # Redis 6.2 lists a consumer only once it has read something: the worker's log says when it is ready.
+    return " on queue " in log_of(p)
+
+
+def log_of(p) -> str:
+    with open(p.log.name) as f:
+        return f.read()
+
+
+def make_requests(n: int, tag: str, max_tokens: int) -> list[JobRequest]:
+    out = []
+    for i in range(n):
+        # Greedy, seeded sampling, and sampling without a seed (the worker derives one from the id).
+        temp, seed = [(0, None), (0.8, 1000 + i), (0.8, None)][i % 3]
+        out.append(JobRequest(id=f"{tag}-{i}", prompt=f"Job {i} says", max_tokens=max_tokens, ignore_eos=True,
+                              temperature=temp, seed=seed))
+    return out
+
+
+def check_all(c, reqs, results, pq_reference, pq_check_stream) -> dict:
+    assert len(results) == len(reqs)
+    assert all(r.status == "completed" for r in results), [(r.id, r.status, r.error) for r in results
+                                                           if r.status != "completed"]
+    for r in results:
+        pq_check_stream(c, r)
+    ref = pq_reference(reqs)
+    assert [r.token_ids for r in results] == [x[0] for x in ref]
+    assert [r.text for r in results] == [x[1] for x in ref]
+    return {"in": len(reqs), "out": len(results), "resumed": sum(r.attempts > 1 for r in results)}

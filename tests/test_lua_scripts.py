@@ -1,0 +1,342 @@
+"""Every Lua script: linted (no globals: Redis refuses a script that assigns one), and every branch of every
+script executed, both ways, against a real redis-server.
+
+Branch coverage: the test runs instrumented copies of the scripts, where each `if COND then` records whether
+COND held; the cases below drive each script through its typed call in producer.calls, so the replies are read
+the way the clients and the worker read them. The last test checks that every condition went both ways.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from redis.exceptions import ResponseError
+
+from producer import calls, scripts, wire
+from producer.errors import DuplicateJobError, JobNotFound, LeaseLost
+from producer.keys import GROUP, Keys
+from producer.protocol import JobRequest
+
+SCRIPTS = Path(scripts.__file__).parent / "scripts"
+COVERAGE_KEY = "pqtest:lua-coverage"
+_COND = re.compile(r"\b(if|elseif)\s+(.*?)\s+then\b")
+_COV_FN = (f"local function __cov(id, v) redis.call('HINCRBY', '{COVERAGE_KEY}', id .. (v and ':T' or ':F'), 1) "
+           "return v end\n")
+
+
+def _instrument(name: str) -> tuple[str, list[str]]:
+    """The source of `name` as Redis runs it (lib.lua + the script) with each condition recorded, and the ids
+    of its conditions ("file:line")."""
+    out, ids = [_COV_FN], []
+    for file in ("lib", name):
+        for n, line in enumerate((SCRIPTS / f"{file}.lua").read_text().splitlines(), 1):
+            if line.lstrip().startswith("--"):
+                out.append(line)
+                continue
+            cid = f"{file}:{n}"
+
+            def wrap(m: re.Match, cid: str = cid) -> str:
+                ids.append(cid)
+                return f"{m.group(1)} __cov('{cid}', {m.group(2)}) then"
+
+            out.append(_COND.sub(wrap, line))
+    return "\n".join(out) + "\n", ids
+
+
+def all_conditions() -> set[str]:
+    return {f"{cid}:{way}" for name in scripts.NAMES for cid in _instrument(name)[1] for way in "TF"}
+
+
+@pytest.fixture(scope="module")
+def run(redis_url):
+    """run(call) -> the call's outcome (named result or typed error), through the instrumented script."""
+    import redis
+
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    sources = {name: _instrument(name)[0] for name in scripts.NAMES}
+
+    def go(call: calls.Call):
+        try:
+            reply = r.eval(sources[call.script], len(call.keys), *call.keys, *call.args)
+        except ResponseError as e:
+            reply = e
+        return call.outcome(reply)
+
+    yield go
+    r.close()
+
+
+SETTINGS = calls.WorkerSettings("w1", lease_ms=60_000, max_attempts=2, ttl=600, dlq_cap=100)
+
+
+class Queue:
+    """A fresh queue and the steps of a job's life, as a producer and a worker take them."""
+
+    def __init__(self, rds, run, name: str) -> None:
+        self.r, self.run, self.k = rds, run, Keys(name)
+        rds.xgroup_create(self.k.jobs, GROUP, id="0", mkstream=True)
+
+    def submit(self, job_id: str, **fields) -> str:
+        return self.run(calls.submit(self.k, JobRequest(id=job_id, prompt="hi", **fields)))
+
+    def read(self) -> list[tuple[str, dict]]:
+        reply = self.r.xreadgroup(GROUP, SETTINGS.worker_id, {self.k.jobs: ">"}, count=100)
+        return reply[0][1] if reply else []
+
+    def start(self, job_id: str, entry: str, settings: calls.WorkerSettings = SETTINGS, alone: bool = False
+              ) -> tuple:
+        d = calls.Delivery(job_id, entry, f"lease-{time.monotonic_ns()}")
+        return d, self.run(calls.start(self.k, d, settings, time.time(), alone))
+
+    def running(self, job_id: str) -> calls.Delivery:
+        entry = self.submit(job_id)
+        self.read()
+        d, started = self.start(job_id, entry)
+        assert started.outcome == "ok"
+        return d
+
+    def chunk(self, d: calls.Delivery, offset: int, n: int = 1) -> calls.Chunk:
+        return calls.Chunk(d.job_id, d.lease, offset, n, '{"type":"token","text":"x","token_ids":[5]}')
+
+    def state(self, job_id: str) -> str | None:
+        return self.r.hget(self.k.job(job_id), wire.F_STATE)
+
+
+@pytest.fixture
+def q(rds, run, queue) -> Queue:
+    return Queue(rds, run, queue)
+
+
+def test_luacheck(tmp_path):
+    """No globals, no unused or shadowed locals, in each script as Redis runs it."""
+    exe = shutil.which("luacheck")
+    if exe is None:
+        if os.environ.get("CI"):
+            pytest.fail("luacheck is missing: .ci/run installs Debian's lua-check")
+        pytest.skip("luacheck not installed (apt-get install lua-check)")
+    for name in scripts.NAMES:
+        (tmp_path / f"{name}.lua").write_text(scripts.source(name))
+    root = Path(__file__).resolve().parent.parent
+    res = subprocess.run([exe, "--no-color", "--config", str(root / ".luacheckrc"), *sorted(
+        str(p) for p in tmp_path.glob("*.lua"))], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_scripts_run_in_redis_unmodified(rds):
+    """The instrumented copies stand for the real ones: the real ones load, and every condition is found."""
+    for name in scripts.NAMES:
+        assert rds.script_load(scripts.source(name)) == scripts.sha(name)
+    assert len(all_conditions()) > 50
+
+
+# ---- submit ----
+
+def test_submit(q):
+    entry = q.submit("a")
+    assert q.state("a") == wire.QUEUED and q.r.hget(q.k.job("a"), wire.F_ENTRY) == entry
+    assert isinstance(q.run(calls.submit(q.k, JobRequest(id="a", prompt="x"))), DuplicateJobError)
+    q.r.set(q.k.result("gone"), "{}")  # finished, its hash expired first: still a duplicate
+    assert isinstance(q.run(calls.submit(q.k, JobRequest(id="gone", prompt="x"))), DuplicateJobError)
+
+
+# ---- start ----
+
+def test_start_ok_busy_duplicate_and_finished(q):
+    entry = q.submit("a")
+    q.read()
+    d, started = q.start("a", entry)
+    assert started.outcome == "ok" and started.attempts == 1 and started.emitted == 0
+    assert started.enqueued_at is not None
+    _, again = q.start("a", entry)  # a reclaim while the lease lives
+    assert again.outcome == "busy"
+    _, dup = q.start("a", "0-1")  # a second entry of a running job
+    assert dup == calls.Started("skip", state="duplicate")
+    assert q.run(calls.fail(q.k, d, '{"id":"a","status":"failed"}', 60)) is True
+    _, late = q.start("a", entry)  # a stale delivery of a finished job
+    assert late == calls.Started("skip", state=wire.FAILED)
+
+
+def test_start_adopts_a_hand_made_entry(q):
+    entry = q.r.xadd(q.k.jobs, {wire.ENTRY_JOB: '{"prompt":"hi"}'})
+    _, started = q.start(entry, entry)
+    assert started.outcome == "ok" and started.attempts == 1 and q.state(entry) == wire.RUNNING
+
+
+def test_start_after_a_lapsed_lease_then_dead_letter(q):
+    quick = calls.WorkerSettings("w1", lease_ms=1, max_attempts=2, ttl=600, dlq_cap=100)
+    entry = q.submit("a")
+    q.read()
+    assert q.start("a", entry, quick)[1].attempts == 1
+    time.sleep(0.01)
+    # The lease lapsed: its last delivery after a failed one runs alone, not beside other jobs.
+    assert q.start("a", entry, quick)[1] == calls.Started("later")
+    assert q.start("a", entry, quick, alone=True)[1].attempts == 2
+    time.sleep(0.01)
+    _, third = q.start("a", entry, quick)
+    assert third == calls.Started("dead", attempts=2)
+    dead = q.r.xrange(q.k.dlq)
+    assert len(dead) == 1 and dead[0][1]["error"] == "max_attempts" and dead[0][1][wire.ENTRY_JOB]
+    assert q.state("a") == wire.FAILED and q.r.xlen(q.k.jobs) == 0
+
+
+# ---- publish, renew ----
+
+def test_publish(q):
+    d = q.running("a")
+    assert q.run(calls.publish(q.k, [q.chunk(d, 0)])) == ["ok"]
+    assert q.run(calls.publish(q.k, [q.chunk(d, 0)])) == ["ok"]  # a retry: written before, not again
+    assert q.r.xlen(q.k.events("a")) == 1
+    assert q.run(calls.publish(q.k, [q.chunk(d, 5)])) == ["lost"]  # a gap
+    q.run(calls.cancel(q.k, "a", 60))
+    assert q.run(calls.publish(q.k, [q.chunk(d, 1)])) == ["cancel"]
+    stale = calls.Delivery("a", d.entry, "someone-else")
+    assert q.run(calls.publish(q.k, [q.chunk(stale, 2)])) == ["lost"]
+
+
+def test_renew(q):
+    d = q.running("a")
+    stale = calls.Delivery("a", d.entry, "someone-else")
+    assert q.run(calls.renew(q.k, SETTINGS, [d, stale])) == ["ok", "lost"]
+
+
+# ---- complete, fail ----
+
+def test_complete(q):
+    d = q.running("a")
+    res = '{"id":"a","status":"completed"}'
+    stale = calls.Delivery("a", d.entry, "someone-else")
+    assert isinstance(q.run(calls.complete(q.k, stale, wire.COMPLETED, res, 60)), LeaseLost)
+    assert q.run(calls.complete(q.k, d, wire.COMPLETED, res, 60, q.chunk(d, 0))) is True
+    assert q.run(calls.complete(q.k, d, wire.COMPLETED, res, 60, q.chunk(d, 0))) is False  # a retry
+    assert isinstance(q.run(calls.complete(q.k, d, wire.CANCELLED, res, 60)), LeaseLost)
+    events = [f[wire.EVENT_FIELD] for _, f in q.r.xrange(q.k.events("a"))]
+    assert len(events) == 2 and '"done"' in events[1]
+    assert q.state("a") == wire.COMPLETED and q.r.xlen(q.k.jobs) == 0 and q.r.get(q.k.result("a")) == res
+    assert q.r.xpending(q.k.jobs, GROUP)["pending"] == 0
+
+
+def test_complete_when_the_last_chunk_was_written_before(q):
+    d = q.running("a")
+    q.run(calls.publish(q.k, [q.chunk(d, 0)]))
+    assert q.run(calls.complete(q.k, d, wire.COMPLETED, "{}", 60, q.chunk(d, 0))) is True
+    assert q.r.xlen(q.k.events("a")) == 2  # the chunk once, then the terminal event
+
+
+def test_fail(q):
+    d = q.running("a")
+    stale = calls.Delivery("a", d.entry, "someone-else")
+    assert isinstance(q.run(calls.fail(q.k, stale, "{}", 60)), LeaseLost)
+    assert q.run(calls.fail(q.k, d, "{}", 60)) is True
+    assert q.run(calls.fail(q.k, d, "{}", 60)) is False
+    d2 = q.running("b")
+    q.run(calls.complete(q.k, d2, wire.COMPLETED, "{}", 60))
+    assert isinstance(q.run(calls.fail(q.k, d2, "{}", 60)), LeaseLost)
+
+
+# ---- cancel ----
+
+def test_cancel(q):
+    assert isinstance(q.run(calls.cancel(q.k, "nope", 60)), JobNotFound)
+    q.submit("queued")
+    assert q.run(calls.cancel(q.k, "queued", 60)) == "cancelled"
+    assert q.run(calls.cancel(q.k, "queued", 60)) == wire.CANCELLED  # terminal: unchanged
+    assert q.r.xlen(q.k.jobs) == 0
+    q.running("running")
+    assert q.run(calls.cancel(q.k, "running", 60)) == "cancelling"
+    # A queued job whose hash lost its entry (written by hand): cancelled all the same.
+    q.r.hset(q.k.job("bare"), mapping={wire.F_STATE: wire.QUEUED})
+    assert q.run(calls.cancel(q.k, "bare", 60)) == "cancelled"
+
+
+# ---- release ----
+
+def test_release_handback_retry_and_dead(q):
+    d = q.running("a")
+    stale = calls.Delivery("a", d.entry, "someone-else")
+    assert isinstance(q.run(calls.release(q.k, stale, SETTINGS, wire.HANDBACK, "h", "h")), LeaseLost)
+    back = q.run(calls.release(q.k, d, SETTINGS, wire.HANDBACK, "handback", "draining"))
+    assert back.outcome == "queued" and q.state("a") == wire.QUEUED
+    assert q.r.hget(q.k.job("a"), wire.F_HANDBACKS) == "1"
+    q.read()
+    d, started = q.start("a", back.entry)
+    assert started.attempts == 2  # two deliveries, one handed back: one counts
+    again = q.run(calls.release(q.k, d, SETTINGS, wire.RETRY, "worker_error", "boom"))
+    assert again.outcome == "queued"
+    q.read()
+    assert q.start("a", again.entry)[1].outcome == "later"
+    d, started = q.start("a", again.entry, alone=True)
+    dead = q.run(calls.release(q.k, d, SETTINGS, wire.RETRY, "worker_error", "boom"))
+    assert dead == calls.Released("dead", attempts=3)
+    assert q.state("a") == wire.FAILED and q.r.xrange(q.k.dlq)[0][1]["error"] == "worker_error"
+
+
+def test_release_when_the_entry_is_gone(q):
+    for mode in (wire.HANDBACK, wire.RETRY):
+        d = q.running(mode)
+        q.r.xdel(q.k.jobs, d.entry)
+        assert q.run(calls.release(q.k, d, SETTINGS, mode, "x", "y")).outcome == "dead"
+    errors = sorted(f["error"] for _, f in q.r.xrange(q.k.dlq))
+    assert errors == ["entry_lost", "x"]
+    assert all(f[wire.ENTRY_JOB] == "" for _, f in q.r.xrange(q.k.dlq))
+
+
+# ---- retry (a dead letter back to the queue) ----
+
+def test_retry(q):
+    assert isinstance(q.run(calls.retry(q.k, "0-1", "a")), JobNotFound)
+    empty = q.r.xadd(q.k.dlq, {"id": "a", wire.ENTRY_JOB: ""})
+    with pytest.raises(ResponseError, match=wire.ERR_NO_PAYLOAD):
+        raise q.run(calls.retry(q.k, empty, "a"))
+    full = q.r.xadd(q.k.dlq, {"id": "a", wire.ENTRY_JOB: '{"prompt":"hi"}'})
+    q.running("a")
+    with pytest.raises(ResponseError, match=wire.ERR_BUSY):
+        raise q.run(calls.retry(q.k, full, "a"))
+    q.r.hset(q.k.job("a"), wire.F_STATE, wire.FAILED)
+    entry = q.run(calls.retry(q.k, full, "a"))
+    assert q.state("a") == wire.QUEUED and q.r.hget(q.k.job("a"), wire.F_ENTRY) == entry
+    assert q.r.hget(q.k.job("a"), wire.F_ATTEMPTS) == "0"
+
+
+def test_every_branch_ran_both_ways(rds):
+    """Runs last in this file: the cases above took every condition of every script both ways."""
+    seen = set(rds.hkeys(COVERAGE_KEY))
+    missing = sorted(all_conditions() - seen)
+    assert not missing, f"conditions never taken that way: {missing}"
+
+
+def test_wire_names_match_the_scripts():
+    """Every job-hash field, state and error code the scripts spell is declared in producer.wire."""
+    fields, states, errors = set(), set(), set()
+    for src in _sources():
+        for call in re.findall(r"'(HSET|HMGET|HGET|HDEL|HINCRBY)',\s*[^,]+,\s*([^)]*)\)", src):
+            fields |= {f for f in re.findall(r"'([a-z_]+)'", call[1])}
+        states |= set(re.findall(r"state [~=]= '([a-z]+)'", src))
+        errors |= set(re.findall(r"error_reply\('([A-Z_]+) ", src))
+    fields -= set(wire.STATES)  # HSET's values: the states it sets
+    assert fields <= set(wire.JOB_FIELDS), fields - set(wire.JOB_FIELDS)
+    assert states <= set(wire.STATES), states - set(wire.STATES)
+    assert errors == set(wire.ERRORS), errors ^ set(wire.ERRORS)
+
+
+def _sources() -> Iterator[str]:
+    for name in scripts.NAMES:
+        yield scripts.source(name)
+
+
+def test_protocol_doc_is_current():
+    """PROTOCOL.md's script reference is the scripts' headers (`python3 -m producer.protocol_doc` renews it),
+    and the page names every state, hash field, event type and error code of producer.wire."""
+    from producer import protocol_doc
+
+    doc = protocol_doc.DOC.read_text()
+    assert protocol_doc.render(doc) == doc, "PROTOCOL.md is stale: run python3 -m producer.protocol_doc"
+    names = [*wire.STATES, *wire.JOB_FIELDS, *wire.DLQ_FIELDS, *wire.ERRORS, wire.EV_TOKEN, wire.EV_DONE,
+             wire.EV_ERROR, wire.EV_CANCELLED, wire.ENTRY_ID, wire.ENTRY_JOB, wire.EVENT_FIELD]
+    assert [n for n in names if f"`{n}`" not in doc] == []

@@ -1,0 +1,60 @@
+"""`pagedq worker` with faults injected by tests, so that no test hook lives in the worker's own code.
+
+    python3 tests/worker_hooks.py [--poison MARK] [--crash MARK] -- <pagedq worker flags>
+
+--poison MARK: a job whose request JSON holds MARK fails inside the worker on every delivery (an exception
+               that is not the request's fault), so it is retried and then dead-lettered.
+--crash MARK:  the worker SIGKILLs itself once a job holding MARK has produced tokens: the worker dies on every
+               delivery of that job, as an out-of-memory kill would do it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from producer.wire import ENTRY_JOB  # noqa: E402
+from worker import worker as worker_mod  # noqa: E402
+from worker.cli import main  # noqa: E402
+
+
+def poison(mark: str) -> None:
+    add = worker_mod.Worker._add
+
+    def _add(self, job, fields, now):
+        if mark in (fields.get(ENTRY_JOB) or ""):
+            raise RuntimeError("poison job (test hook)")
+        return add(self, job, fields, now)
+
+    worker_mod.Worker._add = _add
+
+
+def crash(mark: str) -> None:
+    step = worker_mod.Worker._step
+
+    def _step(self):
+        step(self)
+        for job in self.active.values():
+            if job.emitted and mark in (job.request.prompt or ""):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    worker_mod.Worker._step = _step
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--poison")
+    ap.add_argument("--crash")
+    ap.add_argument("rest", nargs=argparse.REMAINDER)
+    a = ap.parse_args()
+    if a.poison:
+        poison(a.poison)
+    if a.crash:
+        crash(a.crash)
+    rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
+    main(["worker", *rest], prog_name="pagedq")
