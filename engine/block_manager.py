@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from engine.block_tables import BlockTables
 from engine.sequence import Sequence
 
 
@@ -21,6 +22,7 @@ class BlockManager:
         self.block_hash: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # hash -> block id
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.tables = BlockTables()
 
     @property
     def num_free_blocks(self) -> int:
@@ -73,6 +75,8 @@ class BlockManager:
                 del self.free[block]
             self.ref_counts[block] += 1
         seq.block_table = list(hits)
+        seq.table_row = self.tables.take_row()
+        self.tables.write(seq.table_row, 0, hits)
         seq.block_hashes = [self.block_hash[b] for b in hits]
         seq.num_computed_tokens = len(hits) * self.block_size
         self.append(seq, num_new_tokens)
@@ -83,8 +87,10 @@ class BlockManager:
 
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        for _ in range(need):
-            seq.block_table.append(self._take())
+        if need > 0:
+            new = [self._take() for _ in range(need)]
+            self.tables.write(seq.table_row, len(seq.block_table), new)
+            seq.block_table.extend(new)
 
     def commit(self, seq: Sequence) -> None:
         """After a forward: register the blocks that the computed tokens have filled, so others can share them."""
@@ -106,6 +112,9 @@ class BlockManager:
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self.free[block] = None
+        if seq.table_row >= 0:
+            self.tables.give_row(seq.table_row)
+            seq.table_row = -1
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0

@@ -9,11 +9,11 @@ key and gives zeros). Nothing here is CUDA-specific, so the CPU tests run real d
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
 
 import torch
 
 from engine.models.llama import AttnContext
+from engine.step_inputs import StepInputs
 
 
 def padded_sizes(max_num_seqs: int) -> list[int]:
@@ -28,17 +28,6 @@ def padded_size(n: int, sizes: list[int]) -> int:
     if i == len(sizes):
         raise ValueError(f"a decode batch of {n} rows is larger than the largest padded size {sizes[-1]}")
     return sizes[i]
-
-
-@dataclass
-class DecodeInputs:
-    """The host-side inputs of one decode step (one new token per sequence)."""
-
-    input_ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    seq_lens: list[int]
-    block_tables: list[list[int]]
 
 
 class DecodeBuffers:
@@ -58,22 +47,22 @@ class DecodeBuffers:
     def max_size(self) -> int:
         return self.sizes[-1]
 
-    def load(self, inputs: DecodeInputs) -> int:
-        """Copy a step's inputs in and pad them; -> the padded batch size to run."""
+    def load(self, inputs: StepInputs) -> int:
+        """Copy a decode step's inputs in and pad them; -> the padded batch size to run."""
         n = len(inputs.input_ids)
         size = padded_size(n, self.sizes)
-        pad = size - n
-        # One host tensor per dtype, so a step costs two host-to-device copies besides the block table.
-        longs = torch.tensor([inputs.input_ids + [0] * pad, inputs.positions + [0] * pad,
-                              inputs.slots + [-1] * pad], dtype=torch.int64)
-        self.input_ids[:size].copy_(longs[0], non_blocking=True)
-        self.positions[:size].copy_(longs[1], non_blocking=True)
-        self.slot_mapping[:size].copy_(longs[2], non_blocking=True)
-        self.seq_lens[:size].copy_(torch.tensor(inputs.seq_lens + [0] * pad, dtype=torch.int32), non_blocking=True)
-        # Columns past a row's own blocks keep older entries: attention never reads past seq_lens.
-        width = max(map(len, inputs.block_tables))
-        table = torch.tensor([t + [0] * (width - len(t)) for t in inputs.block_tables], dtype=torch.int32)
-        self.block_table[:n, :width].copy_(table, non_blocking=True)
+        self.input_ids[:n].copy_(torch.from_numpy(inputs.input_ids), non_blocking=True)
+        self.positions[:n].copy_(torch.from_numpy(inputs.positions), non_blocking=True)
+        self.slot_mapping[:n].copy_(torch.from_numpy(inputs.slots), non_blocking=True)
+        self.seq_lens[:n].copy_(torch.from_numpy(inputs.seq_lens), non_blocking=True)
+        # Padding rows: no slot written, no key read. Columns past a row's own blocks keep older entries:
+        # attention never reads past seq_lens.
+        self.slot_mapping[n:size].fill_(-1)
+        self.seq_lens[n:size].fill_(0)
+        self.input_ids[n:size].fill_(0)
+        self.positions[n:size].fill_(0)
+        width = inputs.block_table.shape[1]
+        self.block_table[:n, :width].copy_(torch.from_numpy(inputs.block_table), non_blocking=True)
         return size
 
     def inputs(self, size: int, ops: object) -> tuple[torch.Tensor, torch.Tensor, AttnContext]:

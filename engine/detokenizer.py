@@ -1,7 +1,8 @@
 """Incremental detokenization with stop strings.
 
-Text is decoded over a short window of tokens and a delta is emitted only when the window does not end inside a
-multi-byte character (the decoder shows that as U+FFFD), so a stream never carries half a character. While stop
+Text is emitted only once it does not end inside a multi-byte character, so a stream never carries half a
+character. A fast tokenizer decodes through its Rust `DecodeStream`, one call per token; any other through a
+short window of tokens decoded twice (the text it shows is the new part, held while it ends in U+FFFD). While stop
 strings are set, the last len(longest stop) - 1 characters are held back, so a stop string never leaks into a
 stream before it is recognized and cut.
 """
@@ -10,29 +11,76 @@ from __future__ import annotations
 
 CONTEXT_TOKENS = 6  # prompt tokens decoded with the output, so the first output token gets its leading space right
 
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # an old tokenizers release
+    DecodeStream = None
+
+
+def _decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+class _Stream:
+    """Rust-side incremental decoding; `pending` keeps the ids it holds back, to flush them at the end."""
+
+    def __init__(self, tokenizer, context: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.rust = tokenizer._tokenizer
+        self.stream = DecodeStream(ids=context, skip_special_tokens=True)
+        self.pending: list[int] = []
+
+    def add(self, ids: list[int], final: bool) -> str:
+        out = ""
+        for t in ids:
+            chunk = self.stream.step(self.rust, t)
+            if chunk is None:
+                self.pending.append(t)
+            else:
+                out += chunk
+                self.pending.clear()
+        if final and self.pending:  # the output ends inside a character: show what a full decode shows
+            out += _decode(self.tokenizer, self.pending)
+            self.pending = []
+        return out
+
+
+class _Window:
+    def __init__(self, tokenizer, context: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(context)
+        self.prefix = 0
+        self.read = len(self.ids)
+
+    def add(self, ids: list[int], final: bool) -> str:
+        self.ids.extend(ids)
+        before = _decode(self.tokenizer, self.ids[self.prefix : self.read])
+        after = _decode(self.tokenizer, self.ids[self.prefix :])
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            self.prefix, self.read = self.read, len(self.ids)
+            return after[len(before) :]
+        return ""
+
 
 class Detokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str]) -> None:
-        self.tokenizer = tokenizer
-        self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
-        self.prefix = 0
-        self.read = len(self.ids)
+        context = list(prompt_ids[-CONTEXT_TOKENS:])
+        fast = DecodeStream is not None and getattr(tokenizer, "_tokenizer", None) is not None
+        self.decoder = _Stream(tokenizer, context) if fast else _Window(tokenizer, context)
         self.text = ""  # all decoded output text, before any stop cut
         self.sent = 0  # characters of text already handed out
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
     def add(self, token_ids: list[int], final: bool) -> tuple[str, bool]:
         """Feed new tokens -> (new text to emit, whether a stop string ended the output)."""
-        self.ids.extend(token_ids)
-        before = self._decode(self.ids[self.prefix : self.read])
-        after = self._decode(self.ids[self.prefix :])
-        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
-            self.text += after[len(before) :]
-            self.prefix, self.read = self.read, len(self.ids)
+        new = self.decoder.add(token_ids, final)
+        if not (final or self.stop):  # the hot case: nothing to hold back or cut
+            if new:
+                self.text += new
+                self.sent = len(self.text)
+            return new, False
+        self.text += new
         stopped = False
         if self.stop:
             # Only the tail that the new text could complete needs scanning.

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import logging
 import random
 
@@ -16,6 +18,7 @@ from engine.sampler import SamplingBatch
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.stats import StepTimes
 
 log = logging.getLogger("pagedq.engine")
 
@@ -33,9 +36,17 @@ class LLMEngine:
         self.vocab_size = self.runner.hf_config.vocab_size
         self.eos_token_ids = self._eos_ids(folder, GenerationConfig)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner.tables = self.block_manager.tables
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.detok: dict[str, Detokenizer] = {}
         self.rng = random.Random(config.seed)
+        self.times = StepTimes()
+        self.runner.times = self.times
+        # The model, tokenizer and cache bookkeeping live as long as the engine: out of the collector's sight,
+        # full collections no longer walk them every time requests come and go.
+        gc.collect()
+        gc.freeze()
+        atexit.register(gc.unfreeze)  # at exit everything must be collectable again (native bindings check)
 
     def _eos_ids(self, folder, GenerationConfig) -> set[int]:
         ids = None
@@ -139,38 +150,47 @@ class LLMEngine:
     # ---- stepping -------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        self.times.start()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        samplers = [s for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
-        needs_history = any(
-            s.params.repetition_penalty != 1.0 or s.params.presence_penalty or s.params.frequency_penalty
-            for s in samplers
-        )
+        self.times.steps += 1
+        samplers = [s for s, n in zip(batch.seqs, batch.num_new_tokens)
+                    if s.num_computed_tokens + n == len(s.token_ids)]
+        params = [s.params for s in samplers]
+        needs_history = any(p.uses_history for p in params)
         sampling = SamplingBatch(
-            params=[s.params for s in samplers],
+            params=params,
             seeds=[s.seed for s in samplers],
-            steps=[s.num_output_tokens for s in samplers],
+            steps=[len(s.token_ids) - s.num_prompt_tokens for s in samplers],
             output_ids=[s.output_token_ids for s in samplers] if needs_history else None,
             prompt_ids=[s.token_ids[: s.num_prompt_tokens] for s in samplers] if needs_history else None,
             eos_ids=sorted(self.eos_token_ids),
         )
+        self.times.lap("schedule")
         tokens, logprobs = self.runner.run(batch, sampling)
+        bm = self.block_manager
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-            self.block_manager.commit(seq)
+            if bm.prefix_caching and seq.num_computed_tokens // bm.block_size > len(seq.block_hashes):
+                bm.commit(seq)  # it filled a block: others may share it now
         outputs = []
+        with_logprobs = logprobs.numel() > 0
         for row, (seq, token) in enumerate(zip(samplers, tokens)):
             seq.token_ids.append(token)
-            outputs.append(self._output(seq, token, logprobs[row] if logprobs.numel() else None))
+            outputs.append(self._output(seq, token, logprobs[row] if with_logprobs else None))
+        self.times.lap("outputs")
         return outputs
 
     def _output(self, seq: Sequence, token: int, logprobs) -> RequestOutput:
         p = seq.params
+        num_out = len(seq.token_ids) - seq.num_prompt_tokens
+        is_eos = token in self.eos_token_ids and not p.ignore_eos
+        stop_token = (is_eos or token in p.stop_token_ids) and num_out >= p.min_tokens
         reason = None
-        if not p.ignore_eos and token in self.eos_token_ids and seq.num_output_tokens > p.min_tokens - 1 or token in p.stop_token_ids and seq.num_output_tokens >= p.min_tokens:
+        if stop_token:
             reason = "stop"
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif num_out >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             reason = "length"
         detok = self.detok[seq.request_id]
         # EOS and stop tokens are kept in token_ids but their text is not shown.
@@ -191,8 +211,9 @@ class LLMEngine:
             new_text=text,
             finished=reason is not None,
             finish_reason=reason,
-            token_ids=seq.output_token_ids,
-            text=detok.text[: detok.sent],
+            all_ids=seq.token_ids,
+            text=detok.text,
+            text_end=detok.sent,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             logprobs=lp,

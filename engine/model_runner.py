@@ -7,11 +7,15 @@ import logging
 import torch
 from transformers import AutoConfig
 
+from engine import step_inputs
+from engine.block_tables import BlockTables
 from engine.config import EngineConfig
-from engine.decode_buffers import DecodeBuffers, DecodeInputs
+from engine.decode_buffers import DecodeBuffers
 from engine.models.llama import SUPPORTED_ARCHS, AttnContext, LlamaForCausalLM
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import SchedulerOutput
+from engine.stats import StepTimes
+from engine.step_inputs import StepInputs
 from kernels import get_backend
 
 log = logging.getLogger("pagedq.engine")
@@ -66,6 +70,8 @@ class ModelRunner:
         self._allocate_cache()
         # Decode-only steps through padded static buffers, replayed as CUDA graphs (only with ops that never sync
         # with the host: the Triton ones).
+        self.times = StepTimes()  # the engine shares its own
+        self.tables = BlockTables()  # the block manager's, once it exists
         self.decode_buffers: DecodeBuffers | None = None
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager and getattr(self.ops, "GRAPH_SAFE", False):
@@ -116,77 +122,36 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks, self.config.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
 
-    def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttnContext, list[int]]:
-        bs = self.config.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts = [0]
-        seq_lens: list[int] = []
-        sample_rows: list[int] = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start = seq.num_computed_tokens
-            end = start + n
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = seq.block_table
-            if n == 1:
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            starts.append(starts[-1] + n)
-            seq_lens.append(end)
-            if end == seq.num_tokens:
-                sample_rows.append(starts[-1] - 1)
-        width = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
+    def _tensors(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttnContext]:
         dev = self.device
 
-        def t(x, dtype):
-            return torch.tensor(x, dtype=dtype, device=dev)
+        def t(x):
+            return torch.from_numpy(x).to(dev, non_blocking=True)
 
-        ctx = AttnContext(
-            slot_mapping=t(slots, torch.int64),
-            query_start_loc=t(starts, torch.int32),
-            seq_lens=t(seq_lens, torch.int32),
-            block_table=t(tables, torch.int32),
-            ops=self.ops,
-        )
-        return t(input_ids, torch.int64), t(positions, torch.int64), ctx, sample_rows
-
-    def _decode_padded(self, batch: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
-        """A decode-only step through the padded buffers (a graph replay when captured) -> hidden, sample rows."""
-        bs = self.config.block_size
-        inputs = DecodeInputs([], [], [], [], [])
-        rows = []
-        for i, seq in enumerate(batch.seqs):
-            pos = seq.num_computed_tokens
-            inputs.input_ids.append(seq.token_ids[pos])
-            inputs.positions.append(pos)
-            inputs.slots.append(seq.block_table[pos // bs] * bs + pos % bs)
-            inputs.seq_lens.append(pos + 1)
-            inputs.block_tables.append(seq.block_table)
-            if pos + 1 == seq.num_tokens:
-                rows.append(i)
-        size = self.decode_buffers.load(inputs)
-        if self.graphs is not None:
-            hidden = self.graphs.replay(size)
-        else:
-            hidden = self.model(*self.decode_buffers.inputs(size, self.ops))
-        return hidden, rows
+        ctx = AttnContext(slot_mapping=t(inputs.slots), query_start_loc=t(inputs.query_start_loc),
+                          seq_lens=t(inputs.seq_lens), block_table=t(inputs.block_table), ops=self.ops)
+        return t(inputs.input_ids), t(inputs.positions), ctx
 
     @torch.inference_mode()
     def run(self, batch: SchedulerOutput, sampling: SamplingBatch) -> tuple[list[int], torch.Tensor]:
         """One forward over the batch -> sampled token per sampling row (in batch order) and raw logprobs."""
-        padded = self.decode_buffers is not None and len(batch.seqs) <= self.decode_buffers.max_size
-        if padded and all(n == 1 for n in batch.num_new_tokens):
-            hidden, rows = self._decode_padded(batch)
+        inputs = step_inputs.build(batch, self.tables.array, self.config.block_size)
+        buffers = self.decode_buffers
+        if buffers is not None and inputs.decode_only and len(batch.seqs) <= buffers.max_size:
+            size = buffers.load(inputs)
+            self.times.lap("prepare")
+            hidden = self.graphs.replay(size) if self.graphs is not None else self.model(*buffers.inputs(size, self.ops))
         else:
-            input_ids, positions, ctx, rows = self.prepare(batch)
+            input_ids, positions, ctx = self._tensors(inputs)
+            self.times.lap("prepare")
             hidden = self.model(input_ids, positions, ctx)
-        if not rows:
+        self.times.lap("forward")
+        if not len(inputs.sample_rows):
             return [], torch.empty(0)
         # Logits only where a token is sampled, never for the rest of a prompt.
-        logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
+        logits = self.model.logits(hidden[torch.from_numpy(inputs.sample_rows).to(self.device)])
         tokens, logprobs = sample(logits, sampling)
-        return tokens.tolist(), logprobs
+        tokens = tokens.tolist()
+        del logits, hidden  # freed here, in the phase that made them (a batch's logits can be hundreds of MB)
+        self.times.lap("sample")
+        return tokens, logprobs

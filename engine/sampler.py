@@ -33,8 +33,7 @@ def _mix(seed: int, step: int) -> int:
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    rows = [i for i, p in enumerate(batch.params)
-            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty]
+    rows = [i for i, p in enumerate(batch.params) if p.uses_history]
     if not rows:
         return logits
     vocab = logits.shape[-1]

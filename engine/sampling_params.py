@@ -55,5 +55,10 @@ class SamplingParams:
             bad(f"logprobs must be between 0 and 20, got {self.logprobs}")
 
     @property
+    def uses_history(self) -> bool:
+        """Whether sampling needs the request's earlier tokens (a penalty)."""
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0

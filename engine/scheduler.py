@@ -30,6 +30,10 @@ class SchedulerOutput:
         return sum(self.num_new_tokens)
 
 
+def _sort_key(seq: Sequence) -> tuple[int, int]:
+    return seq.sort_key
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.bm = block_manager
@@ -38,6 +42,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.by_id: dict[str, Sequence] = {}
+        self.finished_running = 0  # finished requests still in `running`, dropped at the next look at it
         # Blocks kept free at admission so running requests can grow a while before anyone is preempted;
         # without it a full pool admits a request only to preempt it again a step later.
         self.watermark = block_manager.num_blocks // 100
@@ -50,27 +55,43 @@ class Scheduler:
 
     def _enqueue(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
-        keys = [s.sort_key for s in self.waiting]
-        self.waiting.insert(bisect.bisect(keys, seq.sort_key), seq)
+        bisect.insort(self.waiting, seq, key=_sort_key)
+
+    def _drop_finished(self) -> None:
+        # finish() only marks a running request: removing each one from the list at once would cost the
+        # whole list per finished request, and a step can finish hundreds.
+        if self.finished_running:
+            self.running = [s for s in self.running if s.status is Status.RUNNING]
+            self.finished_running = 0
 
     def has_unfinished(self) -> bool:
+        self._drop_finished()
         return bool(self.waiting or self.running)
 
     def num_admittable(self) -> int:
         """How many new requests could join now: free sequence slots not already promised to waiting requests,
         limited by free blocks (each new request needs at least one)."""
+        self._drop_finished()
         slots = self.max_num_seqs - len(self.running) - len(self.waiting)
         blocks = (self.bm.num_free_blocks - self.watermark
                   - sum(self.bm.blocks_needed(s.num_tokens) for s in self.waiting))
         return max(0, min(slots, blocks))
 
     def schedule(self) -> SchedulerOutput:
+        self._drop_finished()
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         i = 0
+        bs = self.bm.block_size
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            if seq.num_computed_tokens + n <= len(seq.block_table) * bs:  # its blocks hold it: the common decode
+                out.seqs.append(seq)
+                out.num_new_tokens.append(n)
+                budget -= n
+                i += 1
+                continue
             while not self.bm.can_append(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -112,7 +133,7 @@ class Scheduler:
         """Leave the engine now (finished or aborted): blocks go back at once."""
         seq.finish_reason = reason
         if seq.status == Status.RUNNING:
-            self.running.remove(seq)
+            self.finished_running += 1
         elif seq.status == Status.WAITING:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED

@@ -37,6 +37,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.block_table: list[int] = []
+        self.table_row = -1  # its row in BlockManager.tables while it holds blocks
         self.block_hashes: list[int] = []  # prefix-cache hashes of the full blocks computed so far
         self.finish_reason: str | None = None
         self.num_preemptions = 0

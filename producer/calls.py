@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
 from redis.exceptions import ResponseError
 
@@ -156,9 +156,8 @@ def _acks(reply: Sequence) -> list[Ack]:
     return [_ACKS[int(code)] for code in reply]
 
 
-@dataclass(frozen=True)
-class Chunk:
-    """One job's new tokens of a step, as a token event."""
+class Chunk(NamedTuple):
+    """One job's new tokens of a step, as a token event. (A tuple: a worker makes one per job per step.)"""
 
     job_id: str
     lease: str

@@ -96,3 +96,18 @@ def test_charts_are_written(tmp_path):
     paths = charts(data, tmp_path)
     assert {p.name for p in paths} == {"throughput.png", "targets.png", "online.png"}
     assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_overhead_workload_reports_every_phase(tmp_path):
+    """`pagedq bench -w overhead` on its one-layer model, tiny sizes: every phase, both paths, JSON and chart."""
+    from bench.overhead import HOST_PHASES, run_overhead
+
+    data = run_overhead("cpu", quick=True, out_dir=tmp_path, echo=lambda s: None, sizes=(4, 8), steps=3)
+    assert [(r["path"], r["sequences"]) for r in data["results"]] == [
+        ("direct", 4), ("redis", 4), ("direct", 8), ("redis", 8)]
+    for r in data["results"]:
+        assert set(HOST_PHASES) <= set(r["phases_ms"]) and r["host_ms"] > 0 and r["step_ms"] >= r["host_ms"]
+    redis_rows = [r for r in data["results"] if r["path"] == "redis"]
+    assert all(r["phases_ms"]["publish"] > 0 for r in redis_rows)
+    assert json.loads((tmp_path / "overhead.json").read_text())["workload"] == "overhead"
+    assert (tmp_path / "overhead.png").stat().st_size > 0

@@ -1,10 +1,12 @@
 """Decode steps through the padded static buffers that CUDA graphs replay: checked on CPU, eagerly."""
 
+import numpy as np
 import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.decode_buffers import DecodeBuffers, DecodeInputs, padded_size, padded_sizes
+from engine.decode_buffers import DecodeBuffers, padded_size, padded_sizes
+from engine.step_inputs import StepInputs
 
 PROMPTS = ["Hello there, how are you?", "The capital of France is", "a", "Q: What is 2 + 2?\nA:",
            "Once upon a time, in a land far away, there lived a"]
@@ -21,9 +23,18 @@ def test_padded_sizes():
         padded_size(65, sizes)
 
 
+def decode_inputs(ids, positions, slots, seq_lens, tables) -> StepInputs:
+    width = max(map(len, tables))
+    table = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
+    n = len(ids)
+    return StepInputs(np.array(ids, dtype=np.int64), np.array(positions, dtype=np.int64),
+                      np.array(slots, dtype=np.int64), np.arange(n + 1, dtype=np.int32),
+                      np.array(seq_lens, dtype=np.int32), table, np.arange(n))
+
+
 def test_padding_rows_write_no_slot_and_read_nothing():
     buf = DecodeBuffers(max_num_seqs=16, max_blocks_per_seq=4, device=torch.device("cpu"))
-    size = buf.load(DecodeInputs([5, 6, 7], [3, 9, 0], [3, 41, 16], [4, 10, 1], [[0], [2, 1], [1]]))
+    size = buf.load(decode_inputs([5, 6, 7], [3, 9, 0], [3, 41, 16], [4, 10, 1], [[0], [2, 1], [1]]))
     assert size == 4
     ids, positions, ctx = buf.inputs(size, ops=None)
     assert ids.tolist() == [5, 6, 7, 0] and positions.tolist() == [3, 9, 0, 0]
@@ -32,8 +43,8 @@ def test_padding_rows_write_no_slot_and_read_nothing():
     assert ctx.query_start_loc.tolist() == [0, 1, 2, 3, 4]
     assert ctx.block_table[:3, :2].tolist() == [[0, 0], [2, 1], [1, 0]]
     # A smaller batch later: the rows it no longer uses become padding again.
-    assert buf.load(DecodeInputs([9], [4], [4], [5], [[0]])) == 1
-    buf.load(DecodeInputs([1, 2], [1, 1], [1, 17], [2, 2], [[0], [1]]))
+    assert buf.load(decode_inputs([9], [4], [4], [5], [[0]])) == 1
+    buf.load(decode_inputs([1, 2], [1, 1], [1, 17], [2, 2], [[0], [1]]))
     assert buf.inputs(2, None)[2].slot_mapping.tolist() == [1, 17]
 
 

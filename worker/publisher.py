@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 import time
+from json.encoder import encode_basestring
 
 import redis as redis_lib
 
@@ -196,11 +197,14 @@ class Publisher(threading.Thread):
             self.metrics.job_done(status)
         elif out.outcome == "dead":
             log.warning("job %s: dead-lettered after %s attempts", job.id, out.attempts)
-            self.metrics.job_done(wire.FAILED)
+            self.metrics.dead_letter()
         else:
             log.info("job %s: handed back to the queue", job.id)
 
     def _token_event(self, job: RunningJob, out) -> str:
+        if not out.logprobs:  # the hot case, a job per step: a format string, no dict, no generic encoder
+            ids = ",".join(map(str, out.new_token_ids))
+            return f'{{"type":"token","text":{encode_basestring(out.new_text)},"token_ids":[{ids}]}}'
         ev = {"type": "token", "text": out.new_text, "token_ids": out.new_token_ids}
         if out.logprobs:
             lps = [TokenLogprob(token_id=t, logprob=lp, top=top)

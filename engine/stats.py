@@ -1,0 +1,35 @@
+"""Host time per engine step, split by phase: what `pagedq bench -w overhead` reports.
+
+A few perf_counter reads a step: cheap enough to stay on. On a GPU the forward phase is the launch time only
+(the kernels run asynchronously), and its wait shows up in the phase that first needs the result (sample).
+"""
+
+from __future__ import annotations
+
+import time
+
+# publish: a worker's handing of the outputs to its publisher thread (the engine itself never charges it).
+PHASES = ("schedule", "prepare", "forward", "sample", "outputs", "publish")
+
+
+class StepTimes:
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.steps = 0
+        self._mark = 0.0
+
+    def start(self) -> None:
+        self._mark = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        """Charge the time since the last start or lap to `phase`."""
+        now = time.perf_counter()
+        self.seconds[phase] += now - self._mark
+        self._mark = now
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.steps = 0
+
+    def per_step_ms(self) -> dict[str, float]:
+        return {p: 1000 * s / max(1, self.steps) for p, s in self.seconds.items()}
