@@ -87,7 +87,7 @@ def table(results: list[dict], ratios: list[dict]) -> str:
     lines = _grid(head, rows)
     if ratios:
         lines += ["", *_grid(["target", "measured", "wanted", "result"],
-                             [[q["name"], _ratio(q), f">= {_target(q)}",
+                             [[q["name"], _ratio(q), f"{'<=' if q['kind'] == 'latency' else '>='} {_target(q)}",
                                q["result"].upper()] for q in ratios])]
     return "\n".join(lines)
 
@@ -148,8 +148,9 @@ def charts(data: dict, out_dir: Path) -> list[Path]:
     measured = [q for q in data["ratios"] if q["value"] is not None]
     if measured:
         fig, ax = plt.subplots(figsize=(9, 0.5 * len(measured) + 1.5))
-        # Each bar is measured / target: past the line at 1 the target is met.
-        vals = [q["value"] / q["target"] for q in measured]
+        # Each bar is measured / target (target / measured for a latency, where lower is better): past the
+        # line at 1 the target is met.
+        vals = [q["target"] / q["value"] if q["kind"] == "latency" else q["value"] / q["target"] for q in measured]
         colors = ["tab:green" if q["result"] == "pass" else "tab:red" for q in measured]
         bars = ax.barh([q["name"] for q in measured], vals, color=colors)
         ax.bar_label(bars, labels=[f"{_ratio(q)} (target {_target(q)})"

@@ -13,7 +13,7 @@ import torch
 from bench import mfu, report
 from bench import workloads as wls
 from bench.result import Run
-from bench.systems import ALL, ENGINE, HF_CB, HF_SINGLE, HF_STATIC, LABELS, REDIS
+from bench.systems import ALL, ENGINE, HF_CB, HF_SINGLE, HF_STATIC, LABELS, REDIS, SERVE
 
 # Online arrivals run at this fraction of the capacity measured on a closed batch of the same shape:
 # near capacity, where queueing shows in TTFT, yet below it, so the queue does not grow without bound.
@@ -29,6 +29,11 @@ TARGETS = [
     ("mixed: via Redis / engine direct", "mixed", REDIS, ENGINE, 0.95),
     ("shared-prefix: via Redis / engine direct", "shared-prefix", REDIS, ENGINE, 0.95),
     ("mixed: pagedq MFU", "mixed", ENGINE, None, 0.60),
+]
+# Lower is better: name, workload, system, baseline, summary field, the most system / baseline may be.
+LATENCY_TARGETS = [
+    ("online: TTFT p50 via serve / via Redis", "online", SERVE, REDIS, "ttft_p50_s", 1.15),
+    ("online: TPOT p50 via serve / via Redis", "online", SERVE, REDIS, "tpot_p50_s", 1.15),
 ]
 
 
@@ -104,7 +109,7 @@ def run_bench(
     echo(f"  matmul peak: {peak['flops_per_s'] / 1e9:.1f} GFLOP/s ({peak['size']}^3, {peak['dtype']}); "
          f"model: {params['total'] / 1e6:.1f} M parameters")
 
-    engine = hf = redis = None
+    engine = hf = redis = serve = None
     redis_error = None
     runs: list[Run] = []
     try:
@@ -112,7 +117,7 @@ def run_bench(
             engine = _load_engine(model, device, dtype, max_num_seqs, max_num_batched_tokens, kv_blocks)
         if any(s in systems for s in (HF_SINGLE, HF_STATIC, HF_CB)):
             hf = _load_hf(folder, device, dtype)
-        if REDIS in systems:
+        if REDIS in systems or SERVE in systems:  # the serve path runs on the Redis path's queue and worker
             from bench.redis_path import RedisPath, Unavailable
 
             echo("  starting redis-server and a worker...")
@@ -122,19 +127,27 @@ def run_bench(
             except Unavailable as e:
                 redis_error = str(e)
                 echo(f"  pagedq via Redis unavailable: {redis_error}")
+            if SERVE in systems and redis is not None:
+                from bench.serve_path import ServePath
+
+                try:
+                    serve = ServePath(redis, model, out / "serve.log").start()
+                except Unavailable as e:
+                    echo(f"  via pagedq serve unavailable: {e}")
 
         for w, wl in sets.items():
             # Untimed, on other prompts of the same shape: first-call costs (allocation, kernel choice,
             # a manager's start) stay out of the figures, and no prefix cache is warm with timed prompts.
             warm = _warm_set(w, tokenizer, quick, seed)
             for s in systems:
-                if s != REDIS or redis is not None:
-                    _one(s, warm, engine, hf, redis, redis_error, 1, max_num_seqs, max_num_batched_tokens, False)
+                if (s != REDIS or redis is not None) and (s != SERVE or serve is not None):
+                    _one(s, warm, engine, hf, redis, redis_error, 1, max_num_seqs, max_num_batched_tokens, False,
+                         serve)
             if wl.online:
                 wl = sets[w] = _online(wl, probe, rate, engine, redis, data, progress, echo)
             for s in systems:
                 run = _one(s, wl, engine, hf, redis, redis_error, hf_single_requests, max_num_seqs,
-                           max_num_batched_tokens, progress)
+                           max_num_batched_tokens, progress, serve)
                 runs.append(run)
                 summary = run.summary()
                 if run.ok:
@@ -144,6 +157,8 @@ def run_bench(
                 data["results"].append(summary)
                 echo(_line(summary))
     finally:
+        if serve is not None:
+            serve.close()
         if redis is not None:
             redis.close()
 
@@ -236,17 +251,21 @@ def _engine_run(engine, wl, progress):
 
 
 def _one(s, wl, engine, hf, redis, redis_error, hf_single_requests, max_num_seqs, max_num_batched_tokens,
-         progress) -> Run:
+         progress, serve=None) -> Run:
     from bench.systems import run_hf_cb, run_hf_single, run_hf_static
 
     if s == REDIS and redis is None:
         return Run(s, wl.name, status="unavailable", note=redis_error or "not started")
-    if wl.online and s not in (ENGINE, REDIS):
+    if s == SERVE and serve is None:
+        return Run(s, wl.name, status="unavailable", note=redis_error or "did not start (see serve.log)")
+    if wl.online and s not in (ENGINE, REDIS, SERVE):
         return Run(s, wl.name, status="skipped", note="offline system: no arrivals")
     if s == ENGINE:
         return _guard(s, wl, lambda: _engine_run(engine, wl, progress))
     if s == REDIS:
         return _guard(s, wl, lambda: redis.run(wl, progress))
+    if s == SERVE:
+        return _guard(s, wl, lambda: serve.run(wl, progress))
     if s == HF_SINGLE:
         return _guard(s, wl, lambda: run_hf_single(hf, wl, hf_single_requests, progress))
     if s == HF_STATIC:
@@ -295,5 +314,18 @@ def ratios(results: list[dict], workloads: list[str]) -> list[dict]:
             if bad:  # a figure from wrong outputs proves nothing
                 q["result"] = "fail"
                 q["why"] = f"output check failed: {', '.join(bad)}"
+        out.append(q)
+    for name, w, sys_, base, field, most in LATENCY_TARGETS:
+        if w not in workloads:
+            continue
+        q = {"name": name, "workload": w, "system": sys_, "baseline": base, "target": most, "kind": "latency",
+             "value": None, "why": "", "result": "n/a"}
+        a, b = found.get((w, sys_)), found.get((w, base))
+        missing = [x for x, r in ((sys_, a), (base, b)) if r is None or r["status"] != "ok" or not r.get(field)]
+        if missing:
+            q["why"] = f"{', '.join(missing)} did not run"
+        else:
+            q["value"] = a[field] / b[field]
+            q["result"] = "pass" if q["value"] <= most and a["checked"] and b["checked"] else "fail"
         out.append(q)
     return out

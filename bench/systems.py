@@ -21,10 +21,12 @@ REDIS = "pagedq-redis"
 HF_SINGLE = "hf-generate"
 HF_STATIC = "hf-static"
 HF_CB = "hf-cb"
-ALL = (ENGINE, REDIS, HF_SINGLE, HF_STATIC, HF_CB)
+SERVE = "pagedq-serve"
+ALL = (ENGINE, REDIS, HF_SINGLE, HF_STATIC, HF_CB, SERVE)
 LABELS = {
     ENGINE: "pagedq engine",
     REDIS: "pagedq via Redis",
+    SERVE: "via pagedq serve",
     HF_SINGLE: "HF generate, 1 at a time",
     HF_STATIC: "HF static batching",
     HF_CB: "HF generate_batch (CB)",

@@ -46,6 +46,10 @@ class JobRequest(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    # OpenAI's ranges; repetition_penalty is vLLM's (> 1 discourages repeats, 1 is off).
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(default=1.0, gt=0, le=100)
     priority: int = 0  # lower runs first
     timeout_s: float | None = Field(default=None, gt=0)  # from enqueue; past it the job expires
     metadata: dict[str, Any] = Field(default_factory=dict)  # opaque to the worker; echoed in the result

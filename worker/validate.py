@@ -60,7 +60,9 @@ def sampling_params(req: JobRequest) -> SamplingParams:
         return SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                               top_k=req.top_k, min_p=req.min_p, seed=seed, stop=list(req.stop),
                               stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
-                              logprobs=req.logprobs)
+                              logprobs=req.logprobs, presence_penalty=req.presence_penalty,
+                              frequency_penalty=req.frequency_penalty,
+                              repetition_penalty=req.repetition_penalty)
     except (ValueError, TypeError) as e:
         raise Rejected("invalid_request", str(e)) from None
 

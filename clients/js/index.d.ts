@@ -34,6 +34,12 @@ export interface JobRequest {
   stop_token_ids?: number[];
   ignore_eos?: boolean;
   logprobs?: number | null;
+  /** OpenAI's, -2 to 2. */
+  presence_penalty?: number;
+  /** OpenAI's, -2 to 2. */
+  frequency_penalty?: number;
+  /** vLLM's: above 1 discourages repeats; 1 is off. */
+  repetition_penalty?: number;
   /** Lower runs first. */
   priority?: number;
   /** Seconds from enqueue; past it the job expires. */

@@ -22,6 +22,9 @@ const DEFAULTS = {
   stop_token_ids: [],
   ignore_eos: false,
   logprobs: null,
+  presence_penalty: 0.0,
+  frequency_penalty: 0.0,
+  repetition_penalty: 1.0,
   priority: 0,
   timeout_s: null,
   metadata: {},
@@ -165,6 +168,9 @@ export function makeRequest(request, limits = DEFAULT_LIMITS) {
   req.top_p = num('top_p', get('top_p'), { gt: 0, le: 1 });
   req.top_k = int('top_k', get('top_k'), { min: -1, max: INT32_MAX });
   req.min_p = num('min_p', get('min_p'), { ge: 0, le: 1 });
+  req.presence_penalty = num('presence_penalty', get('presence_penalty'), { ge: -2, le: 2 });
+  req.frequency_penalty = num('frequency_penalty', get('frequency_penalty'), { ge: -2, le: 2 });
+  req.repetition_penalty = num('repetition_penalty', get('repetition_penalty'), { gt: 0, le: 100 });
   req.seed = get('seed') === null ? null : int('seed', get('seed'));
 
   let stop = get('stop');

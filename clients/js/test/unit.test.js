@@ -83,7 +83,8 @@ describe('requests', () => {
       { id: 'a', prompt: 'hi' },
       { id: 'b', messages: [{ role: 'user', content: 'héllo "x"\n' }], max_tokens: 5, temperature: 0, stop: 'x' },
       { id: 'c', prompt: 'p', model: 'm', top_p: 0.5, top_k: 3, min_p: 0.1, seed: 7, stop_token_ids: [2],
-        ignore_eos: true, logprobs: 2, priority: -1, timeout_s: 30, metadata: { user: 'u', n: [1, { a: null }] } },
+        ignore_eos: true, logprobs: 2, priority: -1, timeout_s: 30, metadata: { user: 'u', n: [1, { a: null }] },
+        presence_penalty: 0.5, frequency_penalty: -1, repetition_penalty: 1.2 },
       { id: 'd', prompt: 'p', max_tokens: 256, temperature: 1, stop: [], metadata: {} }, // all defaults: left out
     ];
     const wire = cases.map((c) => encodeRequest(makeRequest(c)));

@@ -1,0 +1,64 @@
+"""The settings of one `pagedq serve`, passed to the ASGI factory as JSON in an environment variable (so that
+uvicorn's own worker processes, which import the factory afresh, get them too)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from producer import defaults
+
+ENV = "PAGEDQ_SERVE_CONFIG"
+
+
+class ServeConfig(BaseModel):
+    redis_url: str = defaults.REDIS_URL
+    queue: str = defaults.QUEUE
+    models: list[str] = Field(default_factory=list)  # served names, routed to `queue`
+    routes: dict[str, str] = Field(default_factory=dict)  # model -> queue
+    api_keys: list[str] = Field(default_factory=list)  # empty: no authentication
+    max_queue_depth: int | None = None  # queued + running jobs at which new requests get 429
+    retry_after_s: int = 1
+    default_max_tokens: int | None = None  # None: JobRequest's default
+    max_file_bytes: int = 100 * 2**20
+    store_ttl_s: int = 7 * 24 * 3600  # files and batches live this long
+    batch_priority: int = 10  # batch jobs run after interactive ones (lower runs first)
+    sweep_interval_s: float = 1.0  # how often each process advances unfinished batches
+
+    def queue_of(self, model: str | None) -> str:
+        """The queue a request for `model` goes to: its route, else the default queue."""
+        return self.routes.get(model or "", self.queue)
+
+    def known(self, model: str) -> bool:
+        """With no model configured every name goes through (the workers judge); otherwise only listed ones."""
+        return not (self.models or self.routes) or model in self.models or model in self.routes
+
+    def to_env(self) -> dict[str, str]:
+        return {ENV: self.model_dump_json()}
+
+    @classmethod
+    def from_env(cls) -> ServeConfig:
+        raw = os.environ.get(ENV)
+        if raw:
+            return cls.model_validate_json(raw)
+        return cls(redis_url=os.environ.get("PAGEDQ_REDIS_URL") or os.environ.get("REDIS_URL") or defaults.REDIS_URL,
+                   queue=os.environ.get("PAGEDQ_QUEUE") or defaults.QUEUE)
+
+
+def parse_routes(items: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """`MODEL=QUEUE` items -> {model: queue}."""
+    out: dict[str, str] = {}
+    for item in items:
+        model, sep, queue = item.partition("=")
+        if not sep or not model or not queue:
+            raise ValueError(f"route {item!r}: give MODEL=QUEUE")
+        out[model] = queue
+    return out
+
+
+def read_key_file(path: str | Path) -> list[str]:
+    """API keys, one a line; blank lines and lines starting with # are skipped."""
+    lines = Path(path).read_text().splitlines()
+    return [s for s in (line.strip() for line in lines) if s and not s.startswith("#")]

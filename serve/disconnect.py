@@ -1,0 +1,65 @@
+"""Noticing that an HTTP client went away while its job runs, so that the job can be cancelled.
+
+Starlette notices a streaming client's disconnect only at the next write (ASGI 2.4), which may be long in coming
+while a job waits in the queue; these helpers listen on the ASGI channel instead, the whole time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+T = TypeVar("T")
+
+
+async def _gone(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _first(work: asyncio.Future, receive: Receive) -> bool:
+    """Wait for `work` or the client's disconnect; True when the client left first (`work` is cancelled)."""
+    listener = asyncio.ensure_future(_gone(receive))
+    try:
+        await asyncio.wait({work, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+    if work.done():
+        return False
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await work
+    return True
+
+
+async def unless_gone(receive: Receive, coro: Awaitable[T]) -> tuple[bool, T | None]:
+    """(True, None) when the client disconnected before `coro` finished; else (False, its value)."""
+    work = asyncio.ensure_future(coro)
+    if await _first(work, receive):
+        return True, None
+    return False, work.result()
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events; `on_disconnect` runs when the client leaves before the stream's end."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: Any, on_disconnect: Callable[[], Awaitable[None]], **kw: Any) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, **kw)
+        self.on_disconnect = on_disconnect
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        work = asyncio.ensure_future(self.stream_response(send))
+        left = await _first(work, receive)
+        if not left and isinstance(work.exception(), OSError):
+            left = True  # the write found the connection closed before the listener heard of it
+        elif not left:
+            work.result()
+        if left:
+            await self.on_disconnect()

@@ -1,0 +1,223 @@
+"""OpenAI request bodies -> JobRequests. A field pagedq cannot honour is refused with a 400 that names it:
+a client that asks for tools or n=3 learns so at once, instead of getting something else silently.
+
+A field sent as null counts as absent (the SDKs and many apps send nulls). Beyond OpenAI's fields, vLLM's
+sampling extensions that the engine has are accepted too (`top_k`, `min_p`, `repetition_penalty`,
+`ignore_eos`, `stop_token_ids`), and `priority`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+from producer.protocol import JobRequest
+from serve.errors import APIError, bad_request, unsupported
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+ENDPOINTS = (CHAT, COMPLETIONS)
+
+# Fields each endpoint maps onto a JobRequest (or reads itself).
+_COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "max_tokens", "stop", "seed", "n",
+           "presence_penalty", "frequency_penalty", "user", "logprobs",
+           "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "priority"}
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "metadata", "safety_identifier",
+                   "prompt_cache_key", "store", "service_tier", "response_format", "modalities", "tools",
+                   "tool_choice", "parallel_tool_calls"}
+_COMPLETION = _COMMON | {"prompt", "best_of", "echo", "suffix"}
+# OpenAI fields pagedq does not do at all (named in the 400); any other unknown field is unrecognized.
+_UNSUPPORTED = {"logit_bias": "", "functions": "no function calling", "function_call": "no function calling",
+                "audio": "text only", "prediction": "", "reasoning_effort": "", "verbosity": "",
+                "web_search_options": ""}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# Fields a message may carry; tool_calls, function_call, audio and refusal only when empty (an SDK that sends
+# back the assistant message it got includes them as null).
+_MESSAGE_FIELDS = {"role", "content"}
+_MESSAGE_EMPTY_OK = {"tool_calls", "function_call", "audio", "refusal", "annotations"}
+
+Kind = Literal["chat", "completion"]
+
+
+@dataclass
+class Parsed:
+    """One OpenAI request, as the job to run and what its answer must look like."""
+
+    kind: Kind
+    model: str
+    request: JobRequest
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+
+
+def parse(kind: Kind, body: Any, job_id: str | None = None, default_max_tokens: int | None = None) -> Parsed:
+    """Raise APIError (400) naming the first field that is wrong or unsupported."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    body = {k: v for k, v in body.items() if v is not None}
+    allowed = _CHAT if kind == "chat" else _COMPLETION
+    for key in body:
+        if key in allowed:
+            continue
+        if key in _UNSUPPORTED:
+            raise unsupported(key, _UNSUPPORTED[key])
+        raise bad_request(f"Unrecognized request argument supplied: {key}", key, "unrecognized_argument")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("you must give a model (a string)", "model")
+    _check_neutral(kind, body)
+    fields: dict[str, Any] = {"model": model}
+    if job_id is not None:
+        fields["id"] = job_id
+    if kind == "chat":
+        fields["messages"] = _messages(body.get("messages"))
+    else:
+        fields["prompt"] = _prompt(body.get("prompt"))
+    for name in ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "top_k",
+                 "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "priority"):
+        if name in body:
+            fields[name] = body[name]
+    max_param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    if max_param in body:
+        fields["max_tokens"] = body[max_param]
+    elif kind == "completion":
+        fields["max_tokens"] = 16  # OpenAI's default for completions
+    elif default_max_tokens is not None:
+        fields["max_tokens"] = default_max_tokens
+    logprobs = _logprobs(kind, body)
+    if logprobs is not None:
+        fields["logprobs"] = logprobs
+    fields["metadata"] = _metadata(body)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_request("stream must be true or false", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
+        raise unsupported("stream_options", "only include_usage")
+    if options and not stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    try:
+        req = JobRequest(**fields)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        loc = str(err["loc"][0]) if err["loc"] else None
+        param = max_param if loc == "max_tokens" else loc
+        raise bad_request(f"{param or 'request'}: {err['msg']}", param) from None
+    return Parsed(kind, model, req, stream, bool(options.get("include_usage")), logprobs is not None)
+
+
+def _check_neutral(kind: Kind, body: dict) -> None:
+    """Fields that pagedq accepts only at their do-nothing value."""
+    if body.get("n", 1) != 1:
+        raise unsupported("n", "one choice per request (n=1)")
+    if kind == "completion":
+        if body.get("best_of", 1) != 1:
+            raise unsupported("best_of", "best_of=1 only")
+        if body.get("echo", False):
+            raise unsupported("echo")
+        if body.get("suffix"):
+            raise unsupported("suffix")
+        return
+    if body.get("tools"):
+        raise unsupported("tools", "no tool calling")
+    if body.get("tool_choice", "none") != "none":
+        raise unsupported("tool_choice", "no tool calling")
+    fmt = body.get("response_format", {"type": "text"})
+    if not isinstance(fmt, dict) or fmt.get("type") != "text":
+        raise unsupported("response_format", "text only (no JSON mode or schemas)")
+    if body.get("modalities", ["text"]) != ["text"]:
+        raise unsupported("modalities", "text only")
+    if body.get("store", False):
+        raise unsupported("store", "completions are not stored")
+    if body.get("service_tier", "auto") not in ("auto", "default"):
+        raise unsupported("service_tier", "auto or default only")
+
+
+def _messages(raw: Any) -> list[dict]:
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("messages must be a non-empty array", "messages")
+    out = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"{where} must be an object", where)
+        role = m.get("role")
+        if role not in _ROLES:
+            if role in ("tool", "function"):
+                raise unsupported(f"{where}.role", f"no {role} messages")
+            raise bad_request(f"{where}.role must be one of {', '.join(_ROLES)}", f"{where}.role")
+        for key, value in m.items():
+            if key in _MESSAGE_FIELDS or (key in _MESSAGE_EMPTY_OK and not value):
+                continue
+            raise unsupported(f"{where}.{key}")
+        out.append({"role": _ROLES[role], "content": _content(m.get("content"), f"{where}.content")})
+    return out
+
+
+def _content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise unsupported(f"{where}[{j}]", "text parts only")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise bad_request(f"{where} must be a string or an array of text parts", where)
+
+
+def _prompt(raw: Any) -> str:
+    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
+        raw = raw[0]
+    if isinstance(raw, str):
+        return raw
+    if isinstance(raw, list) and len(raw) > 1 and all(isinstance(p, str) for p in raw):
+        raise unsupported("prompt", "one prompt per request (send several requests, or a batch)")
+    if isinstance(raw, list):
+        raise unsupported("prompt", "text prompts only, not token ids")
+    raise bad_request("prompt must be a string", "prompt")
+
+
+def _logprobs(kind: Kind, body: dict) -> int | None:
+    if kind == "completion":
+        lp = body.get("logprobs")
+        if lp is None or lp is False:
+            return None
+        if isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= 5:
+            raise bad_request("logprobs must be an integer from 0 to 5", "logprobs")
+        return lp
+    top = body.get("top_logprobs")
+    if not body.get("logprobs", False):
+        if top:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        return None
+    if top is None:
+        return 0
+    if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
+        raise bad_request("top_logprobs must be an integer from 0 to 20", "top_logprobs")
+    return top
+
+
+def _metadata(body: dict) -> dict:
+    meta = body.get("metadata") or {}
+    if not isinstance(meta, dict):
+        raise bad_request("metadata must be an object", "metadata")
+    meta = dict(meta)
+    for name in ("user", "safety_identifier"):
+        if name in body:
+            if not isinstance(body[name], str):
+                raise bad_request(f"{name} must be a string", name)
+            meta[name] = body[name]
+    return meta
+
+
+def endpoint_kind(url: str) -> Kind:
+    if url == CHAT:
+        return "chat"
+    if url == COMPLETIONS:
+        return "completion"
+    raise APIError(400, f"endpoint {url!r} is not supported; pagedq serves {', '.join(ENDPOINTS)}", param="url")
