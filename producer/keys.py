@@ -22,6 +22,13 @@ def check_queue(queue: str) -> str:
     return queue
 
 
+# Every queue some worker has served: queue -> its last heartbeat (unix ms). `pagedq workers`, `status --all`
+# and the dashboard start here to find the queues, and from each queue its workers. It cannot share a queue's
+# slot (it spans queues), so it is written by a plain ZADD apart from the queue's own keys; `pq:queues` cannot
+# meet a queue's keys, which always open with `pq:{`.
+QUEUES = f"{PREFIX}:queues"
+
+
 class Keys:
     """The key names of one queue."""
 
@@ -31,6 +38,17 @@ class Keys:
         self.jobs = f"{self.base}:jobs"  # stream: one entry per queued job, read by the worker group
         self.dlq = f"{self.base}:dlq"  # stream: jobs given up on (dead letters)
         self.group = GROUP
+        # Heartbeats. Each live worker refreshes its own record key (with a TTL, so a dead worker vanishes
+        # without anyone cleaning up) and its score in `workers` (its record's expiry, ms): readers list live
+        # workers with one ZRANGEBYSCORE and read their records with one MGET instead of a SCAN, which on a
+        # cluster would have to visit every node. Both sit under the queue's hash tag, so one pipeline (and the
+        # consumer-pruning script, which checks a record) stays on the queue's slot.
+        self.workers = f"{self.base}:workers"  # sorted set: worker id -> its record's expiry (unix ms)
+        self.stats = f"{self.base}:stats"  # stream: one entry per heartbeat: tokens, TTFT/TPOT bucket counts
+
+    def worker(self, worker_id: str) -> str:
+        """String with a TTL: the worker's heartbeat record as JSON."""
+        return f"{self.base}:worker:{worker_id}"
 
     def job(self, job_id: str) -> str:
         """Hash: the job's state, lease token, attempts, timestamps."""
@@ -43,3 +61,64 @@ class Keys:
     def result(self, job_id: str) -> str:
         """String: the job's final JobResult as JSON, with a TTL."""
         return f"{self.base}:result:{job_id}"
+
+
+# ---- the Batch API (`pagedq serve`, `pagedq batch`): files and batches, not tied to one queue ----------------
+# A batch's jobs may go to several queues (its lines name models, models route to queues), so its own keys
+# cannot share a queue's slot. Each file and each batch gets a hash tag of its own id instead: all keys of one
+# batch sit on one Redis Cluster slot (a script over them is legal and one batch's reads go to one node),
+# while different batches spread over the cluster. The prefixes `pq:file:` and `pq:batch:` cannot meet a
+# queue's keys, which always open with `pq:{`.
+
+_STORE_ID_RE = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")
+
+
+def check_store_id(kind: str, value: str) -> str:
+    # An id from a URL becomes part of key names: braces would move it to another slot, colons fake a suffix.
+    if not isinstance(value, str) or not _STORE_ID_RE.match(value):
+        raise ValueError(f"{kind} id must be 1-128 characters of [A-Za-z0-9_-], got {value!r}")
+    return value
+
+
+class BatchKeys:
+    """The key names of the Batch API's files and batches."""
+
+    files = f"{PREFIX}:files"  # sorted set: file id -> created_at, for listing
+    batches = f"{PREFIX}:batches"  # sorted set: batch id -> created_at, for listing
+    active = f"{PREFIX}:batches:active"  # set: batches not yet final, which any serve process advances
+
+    @staticmethod
+    def file(file_id: str) -> str:
+        """Hash: the file's metadata (filename, purpose, bytes, created_at, expires_at)."""
+        return f"{PREFIX}:file:{{{check_store_id('file', file_id)}}}"
+
+    @staticmethod
+    def file_content(file_id: str) -> str:
+        """String: the file's bytes (JSONL, UTF-8)."""
+        return f"{BatchKeys.file(file_id)}:content"
+
+    @staticmethod
+    def batch(batch_id: str) -> str:
+        """Hash: the batch object's fields (status, endpoint, timestamps, counts of its line errors, ...)."""
+        return f"{PREFIX}:batch:{{{check_store_id('batch', batch_id)}}}"
+
+    @staticmethod
+    def items(batch_id: str) -> str:
+        """Hash: line number -> that line's job (queue, job id, request) or its error, as JSON."""
+        return f"{BatchKeys.batch(batch_id)}:items"
+
+    @staticmethod
+    def open(batch_id: str) -> str:
+        """Set: line numbers whose jobs have not been seen to end yet."""
+        return f"{BatchKeys.batch(batch_id)}:open"
+
+    @staticmethod
+    def ended(batch_id: str, outcome: str) -> str:
+        """Set: line numbers whose jobs ended with `outcome` (completed, failed or cancelled); SADD is
+        idempotent, so two processes recording the same job count it once."""
+        return f"{BatchKeys.batch(batch_id)}:{outcome}"
+
+    @staticmethod
+    def submitting(batch_id: str) -> str:
+        """String with a TTL: held by the process that submits the batch's jobs; lapses if it dies."""
+        return f"{BatchKeys.batch(batch_id)}:submitting"

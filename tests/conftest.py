@@ -158,3 +158,51 @@ def cluster_queues(redis_cluster) -> list[str]:
 
     return queues_on_different_masters(redis_cluster, 2)
 # ---- end of cluster fixtures ----
+
+
+# ---- serve fixtures (issue 12): `pagedq serve` as a subprocess on a free port ----
+@pytest.fixture
+def start_serve(redis_url, tmp_path):
+    """start_serve(queue, *flags) -> base URL ("http://127.0.0.1:PORT") of a `pagedq serve` subprocess, once its
+    /health answers; `.procs` lists the processes (a test may kill one). Stopped after the test."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from worker.redis_server import free_port, stop_process
+
+    procs = []
+
+    def start(queue: str, *flags: str, url: str | None = None) -> str:
+        port = free_port()
+        log = open(tmp_path / f"serve-{len(procs)}.log", "w+")  # noqa: SIM115 (closed at teardown)
+        cmd = [sys.executable, "-m", "worker", "serve", "--redis-url", url or redis_url, "--queue", queue,
+               "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING", *flags]
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        p.log = log
+        procs.append(p)
+        base = f"http://127.0.0.1:{port}"
+        end = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    return base
+            except httpx.HTTPError:
+                pass
+            if p.poll() is not None or time.monotonic() > end:
+                log.seek(0)
+                raise RuntimeError(f"pagedq serve did not come up (exit {p.poll()}):\n{log.read()[-3000:]}")
+            time.sleep(0.1)
+
+    start.procs = procs
+    yield start
+    for p in procs:
+        stop_process(p, 15)
+        p.log.seek(0)
+        out = p.log.read()
+        p.log.close()
+        if p.returncode not in (0, -15, -9):
+            print(f"serve exited with {p.returncode}:\n{out[-5000:]}")
+# ---- end of serve fixtures ----

@@ -15,6 +15,7 @@ import redis as redis_lib
 
 from producer import calls
 from producer.keys import Keys
+from worker.heartbeat import Heartbeat
 from worker.pipeline import run_calls
 
 log = logging.getLogger("pagedq.worker")
@@ -22,22 +23,41 @@ log = logging.getLogger("pagedq.worker")
 
 class LeaseKeeper(threading.Thread):
     def __init__(self, r: redis_lib.Redis, keys: Keys, settings: calls.WorkerSettings, held,
-                 notices: queue.SimpleQueue) -> None:
+                 notices: queue.SimpleQueue, heartbeat: Heartbeat | None = None) -> None:
         """`held()` returns the jobs to renew (RunningJob); lost leases and cancels go to `notices`."""
         super().__init__(name="pagedq-leases", daemon=True)
         self.r, self.keys, self.settings = r, keys, settings
         self.held = held
         self.notices = notices
+        self.heartbeat = heartbeat
         self.stop_event = threading.Event()
-        # Three renewals per lease: one late or failed renewal still leaves the lease alive.
+        # Three renewals per lease: one late or failed renewal still leaves the lease alive. The heartbeat
+        # rides on the same tick (renewing more often than needed costs one small round trip).
         self.interval = settings.lease_ms / 3000
+        if heartbeat is not None:
+            self.interval = min(self.interval, heartbeat.interval_s)
 
     def run(self) -> None:
+        self._beat()  # at once: a worker shows up in `pagedq status` as soon as it runs
         while not self.stop_event.wait(self.interval):
             try:
                 self.renew()
             except Exception as e:  # Redis away: try again next tick; the lease outlives a few misses
                 log.warning("lease renewal failed: %s", e)
+            self._beat()
+        if self.heartbeat is not None:  # here, so that no beat of this thread can follow the removal
+            try:
+                self.heartbeat.remove()
+            except Exception as e:
+                log.warning("could not remove the heartbeat: %s", e)
+
+    def _beat(self) -> None:
+        if self.heartbeat is None:
+            return
+        try:
+            self.heartbeat.beat()
+        except Exception as e:  # a missed beat only ages the record; the next one renews it
+            log.warning("heartbeat failed: %s", e)
 
     def renew(self) -> None:
         jobs = self.held()
@@ -50,5 +70,7 @@ class LeaseKeeper(threading.Thread):
             if ack != "ok":
                 self.notices.put((ack, job.id, job.lease))
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:
         self.stop_event.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout)  # let it remove the heartbeat before the process exits

@@ -1,28 +1,60 @@
-"""Prometheus metrics. Without prometheus-client (or without --metrics-port) every call is a no-op."""
+"""Prometheus metrics of one worker, and the per-interval latency counts its heartbeat carries.
+
+Names follow Prometheus conventions: base units (`_seconds`), `_total` on counters (prometheus-client adds it),
+a `queue` label everywhere and `model` on what a job or a step produced, since workers of one queue may serve
+different models. Without prometheus-client (or without --metrics-port) the Prometheus side is a no-op, but the
+interval window still fills: heartbeats, `pagedq status` and the dashboard use it with or without Prometheus.
+
+The queue gauges (depth, pending, oldest ages, dead letters) describe Redis, not this worker: every worker of a
+queue exports the same values, so aggregate them with `max by (queue)`, never `sum`.
+"""
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
+from worker.latency_window import TPOT_BUCKETS, TTFT_BUCKETS, LatencyWindow
+
+QUEUE_WAIT_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+E2E_BUCKETS = (.1, .25, .5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
+STEP_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5)
+PUBLISH_BUCKETS = (.0005, .001, .0025, .005, .01, .025, .05, .1, .25)
+BATCH_SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+BATCH_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
 
 class _Nop:
-    def labels(self, *a, **k) -> _Nop:
+    def labels(self, *a: Any, **k: Any) -> _Nop:
         return self
 
-    def inc(self, *a) -> None:
+    def inc(self, *a: Any) -> None:
         pass
 
-    def set(self, *a) -> None:
+    def set(self, *a: Any) -> None:
         pass
 
-    def observe(self, *a) -> None:
+    def observe(self, *a: Any) -> None:
         pass
 
 
 class Metrics:
-    def __init__(self, queue: str, port: int | None = None) -> None:
+    """What the worker, its publisher and its heartbeat observe. The attribute names the publisher uses
+    (pending_acks, publish_seconds, lease_lost, job_done) stay as they are."""
+
+    def __init__(self, queue: str, port: int | None = None, model: str = "") -> None:
+        self.queue, self.model = queue, model
         self.registry = None
+        self.window = LatencyWindow()
+        self._lock = threading.Lock()  # the step loop and the publisher thread both count jobs
+        self.jobs_finished = 0
         nop = _Nop()
-        self.jobs = self.tokens = self.steps = self.step_seconds = self.publish_seconds = nop
-        self.running = self.pending_acks = self.lease_lost = self.kv_free = self.kv_total = nop
+        for name in ("jobs", "tokens", "prompt_tokens", "cached_tokens", "preemptions", "retries", "dead_letters",
+                     "lease_lost", "steps", "step_seconds", "publish_seconds", "batch_seqs", "batch_tokens",
+                     "queue_wait", "ttft", "tpot", "e2e", "running", "running_seqs", "waiting_seqs",
+                     "pending_acks", "kv_free", "kv_used", "kv_total", "depth", "pending", "oldest_pending_age",
+                     "oldest_waiting_age", "dlq_length", "live_workers"):
+            setattr(self, name, nop)
         if port is None:
             return
         try:
@@ -30,26 +62,119 @@ class Metrics:
         except ImportError:
             raise RuntimeError("--metrics-port needs prometheus-client: pip install 'pagedq[worker]'") from None
         self.registry = reg = pc.CollectorRegistry()
-        q = {"queue": queue}
-        self.jobs = pc.Counter("pagedq_jobs", "Jobs finished, by final status", ["queue", "status"], registry=reg)
-        self.tokens = pc.Counter("pagedq_generated_tokens", "Tokens generated", ["queue"], registry=reg).labels(**q)
-        self.steps = pc.Counter("pagedq_engine_steps", "Engine steps", ["queue"], registry=reg).labels(**q)
-        self.step_seconds = pc.Histogram("pagedq_step_seconds", "Engine step time", ["queue"], registry=reg,
-                                         buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5)).labels(**q)
-        self.publish_seconds = pc.Histogram("pagedq_publish_seconds", "One publisher round trip", ["queue"],
-                                            registry=reg, buckets=(.0005, .001, .0025, .005, .01, .025, .05, .1,
-                                                                   .25)).labels(**q)
-        self.running = pc.Gauge("pagedq_running_jobs", "Jobs in the engine", ["queue"], registry=reg).labels(**q)
-        self.pending_acks = pc.Gauge("pagedq_pending_acks", "Finished jobs not yet acked", ["queue"],
-                                     registry=reg).labels(**q)
-        self.lease_lost = pc.Counter("pagedq_lease_lost", "Writes refused: lease lost", ["queue"],
-                                     registry=reg).labels(**q)
+        q, qm = {"queue": queue}, {"queue": queue, "model": model}
+        QM = ["queue", "model"]
+
+        def counter(name: str, doc: str, labels: list[str] = QM) -> Any:
+            return pc.Counter(name, doc, labels, registry=reg).labels(**(qm if "model" in labels else q))
+
+        def gauge(name: str, doc: str) -> Any:
+            return pc.Gauge(name, doc, ["queue"], registry=reg).labels(**q)
+
+        def histogram(name: str, doc: str, buckets: tuple, labels: list[str] = QM) -> Any:
+            return pc.Histogram(name, doc, labels, registry=reg, buckets=buckets).labels(
+                **(qm if "model" in labels else q))
+
+        # ---- counters ----
+        self.jobs = pc.Counter("pagedq_jobs", "Jobs finished by this worker, by final status",
+                               ["queue", "model", "status"], registry=reg)
+        for status in ("completed", "failed", "cancelled", "expired"):  # at 0 from the start: rate() sees the first
+            self.jobs.labels(queue=queue, model=model, status=status)
+        self.tokens = counter("pagedq_generated_tokens", "Output tokens generated")
+        self.prompt_tokens = counter("pagedq_prompt_tokens", "Prompt tokens of the jobs started")
+        self.cached_tokens = counter("pagedq_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache")
+        self.preemptions = counter("pagedq_preemptions", "Sequences preempted (their KV blocks freed, recomputed later)")
+        self.retries = counter("pagedq_job_retries", "Deliveries of a job after its first (reclaimed or retried)")
+        self.dead_letters = counter("pagedq_dead_letters", "Jobs this worker sent to the dead-letter stream")
+        self.lease_lost = counter("pagedq_lease_losses", "Writes refused because the job's lease was lost")
+        self.steps = counter("pagedq_engine_steps", "Engine steps")
+        # ---- histograms ----
+        self.queue_wait = histogram("pagedq_queue_wait_seconds", "Enqueue to start on a worker", QUEUE_WAIT_BUCKETS)
+        self.ttft = histogram("pagedq_time_to_first_token_seconds", "Enqueue to the first output token", TTFT_BUCKETS)
+        self.tpot = histogram("pagedq_time_per_output_token_seconds",
+                              "Mean time between output tokens after the first, per job", TPOT_BUCKETS)
+        self.e2e = histogram("pagedq_e2e_seconds", "Enqueue to the last token of a job the engine finished",
+                             E2E_BUCKETS)
+        self.batch_seqs = histogram("pagedq_batch_size_sequences", "Sequences in one engine step",
+                                    BATCH_SEQ_BUCKETS)
+        self.batch_tokens = histogram("pagedq_batch_size_tokens", "Tokens (prefill and decode) in one engine step",
+                                      BATCH_TOKEN_BUCKETS)
+        self.step_seconds = histogram("pagedq_step_seconds", "Engine step time", STEP_BUCKETS)
+        self.publish_seconds = histogram("pagedq_publish_seconds", "One publisher round trip", PUBLISH_BUCKETS,
+                                         ["queue"])
+        # ---- gauges: this worker ----
+        self.running = gauge("pagedq_running_jobs", "Jobs this worker holds in its engine")
+        self.running_seqs = gauge("pagedq_running_sequences", "Sequences in the engine's running batch")
+        self.waiting_seqs = gauge("pagedq_waiting_sequences", "Sequences admitted to the engine, waiting for room")
+        self.pending_acks = gauge("pagedq_pending_acks", "Finished jobs not yet acked")
         # Free equals total whenever the engine is idle; less means blocks leaked (the soak test reads these).
-        self.kv_free = pc.Gauge("pagedq_kv_blocks_free", "Free KV cache blocks", ["queue"], registry=reg).labels(**q)
-        self.kv_total = pc.Gauge("pagedq_kv_blocks_total", "KV cache blocks", ["queue"], registry=reg).labels(**q)
+        self.kv_free = gauge("pagedq_kv_blocks_free", "Free KV cache blocks")
+        self.kv_used = gauge("pagedq_kv_blocks_used", "KV cache blocks in use")
+        self.kv_total = gauge("pagedq_kv_blocks_total", "KV cache blocks")
+        # ---- gauges: the queue in Redis, refreshed with each heartbeat ----
+        self.depth = gauge("pagedq_queue_depth", "Jobs in the queue's stream: waiting and running")
+        self.pending = gauge("pagedq_queue_pending_entries", "Jobs delivered to a worker and not yet acked")
+        self.oldest_pending_age = gauge("pagedq_queue_oldest_pending_age_seconds",
+                                        "Age of the oldest delivered, unacked job")
+        self.oldest_waiting_age = gauge("pagedq_queue_oldest_waiting_age_seconds",
+                                        "Age of the oldest job no worker has taken yet")
+        self.dlq_length = gauge("pagedq_queue_dead_letters", "Entries in the queue's dead-letter stream")
+        self.live_workers = gauge("pagedq_queue_live_workers", "Workers of the queue with a live heartbeat")
         pc.start_http_server(port, registry=reg)
-        self.queue = queue
+
+    # ---- job life ------------------------------------------------------------------------------------------
 
     def job_done(self, status: str) -> None:
-        if self.registry is not None:
-            self.jobs.labels(queue=self.queue, status=status).inc()
+        with self._lock:
+            self.jobs_finished += 1
+        self.jobs.labels(queue=self.queue, model=self.model, status=status).inc()
+
+    def job_started(self, enqueued_at: float | None, started_at: float, prompt_tokens: int, attempts: int) -> None:
+        if enqueued_at is not None:
+            self.queue_wait.observe(max(0.0, started_at - enqueued_at))
+        self.prompt_tokens.inc(prompt_tokens)
+        if attempts > 1:
+            self.retries.inc()
+
+    def first_token(self, enqueued_at: float | None, started_at: float, now: float, cached_tokens: int) -> None:
+        ttft = max(0.0, now - (enqueued_at if enqueued_at is not None else started_at))
+        self.ttft.observe(ttft)
+        self.window.ttft(ttft)
+        self.cached_tokens.inc(cached_tokens)
+
+    def finished(self, enqueued_at: float | None, started_at: float, first_token_at: float | None, now: float,
+                 output_tokens: int) -> None:
+        """A job the engine finished (stop or length), with the output tokens of this delivery."""
+        self.e2e.observe(max(0.0, now - (enqueued_at if enqueued_at is not None else started_at)))
+        if first_token_at is not None and output_tokens > 1:
+            tpot = max(0.0, now - first_token_at) / (output_tokens - 1)
+            self.tpot.observe(tpot)
+            self.window.tpot(tpot)
+
+    def dead_letter(self) -> None:
+        self.dead_letters.inc()
+        self.job_done("failed")
+
+    # ---- steps and state -----------------------------------------------------------------------------------
+
+    def step(self, seqs: int, tokens: int, preempted: int, generated: int) -> None:
+        self.batch_seqs.observe(seqs)
+        self.batch_tokens.observe(tokens)
+        if preempted:
+            self.preemptions.inc(preempted)
+        self.window.generated(generated)
+
+    def engine_state(self, running: int, waiting: int, kv_free: int, kv_total: int) -> None:
+        self.running_seqs.set(running)
+        self.waiting_seqs.set(waiting)
+        self.kv_free.set(kv_free)
+        self.kv_used.set(kv_total - kv_free)
+        self.kv_total.set(kv_total)
+
+    def queue_state(self, info: dict) -> None:
+        """`info`: worker.queue_info.queue_info's answer."""
+        self.depth.set(info["length"])
+        self.pending.set(info["pending"])
+        self.oldest_pending_age.set(info.get("oldest_pending_age_s") or 0)
+        self.oldest_waiting_age.set(info.get("oldest_waiting_age_s") or 0)
+        self.dlq_length.set(info.get("dead_letters", 0))

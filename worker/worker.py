@@ -11,6 +11,7 @@ import logging
 import os
 import secrets
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from producer import calls, defaults, scripts, wire
 from producer.connection import connect
 from producer.keys import GROUP, Keys
 from producer.protocol import Limits
+from worker.batch_probe import BatchProbe
+from worker.heartbeat import Heartbeat
 from worker.job import RunningJob
 from worker.leases import LeaseKeeper
 from worker.metrics import Metrics
@@ -28,8 +31,10 @@ from worker.pipeline import run_calls
 from worker.publisher import Publisher
 from worker.resume import read_output
 from worker.validate import Rejected, parse, prompt_ids, sampling_params
+from worker.version import pagedq_version
 
 log = logging.getLogger("pagedq.worker")
+SWITCH_INTERVAL_S = 0.0005
 
 
 def make_worker_id() -> str:
@@ -51,6 +56,7 @@ class WorkerConfig:
     served_models: tuple[str, ...] = ()  # names a request's `model` may use; empty: the engine's model name
     limits: Limits = field(default_factory=Limits)
     metrics_port: int | None = None
+    heartbeat_s: float = 5.0  # how often the worker's record in Redis is renewed; it lives 3x as long
 
 
 class Worker:
@@ -68,15 +74,19 @@ class Worker:
             socket_connect_timeout=5, socket_keepalive=True)
         self.settings = calls.WorkerSettings(self.id, config.lease_ms, config.max_attempts, config.result_ttl,
                                              config.dlq_cap)
-        self.metrics = Metrics(config.queue, config.metrics_port)
+        self.metrics = Metrics(config.queue, config.metrics_port, model=engine.model_name)
         self.metrics.kv_total.set(engine.num_total_blocks)
         self.served = set(config.served_models) or {engine.model_name}
         self.model = engine.model_name
         self.active: dict[str, RunningJob] = {}
         self.stop_event = threading.Event()
         self.publisher = Publisher(self.r, self.keys, self.settings, self.model, self.metrics)
+        self.probe = BatchProbe(engine)
+        self.last_step_s = 0.0
+        self.heartbeat = Heartbeat(self.r, self.keys, self.id, self._static_info(), config.heartbeat_s, self.metrics,
+                                   self._live_state, config.lease_ms)
         self.leases = LeaseKeeper(self.r, self.keys, self.settings, lambda: list(self.active.copy().values()),
-                                  self.publisher.notices)
+                                  self.publisher.notices, self.heartbeat)
         # Jobs on their last delivery after failed ones (start.lua said "later"): each runs alone, once the
         # engine is empty, so that a job that kills its workers takes no other job down with it.
         self.deferred: list[tuple[str, dict]] = []
@@ -92,6 +102,9 @@ class Worker:
     # ---- the loop -------------------------------------------------------------------------------------------
 
     def run(self) -> None:
+        # The publisher and lease threads share the GIL with this loop: a short switch interval hands it back to
+        # the loop within a fraction of a step instead of the default 5 ms.
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._setup()
         self.publisher.start()
         self.leases.start()
@@ -187,7 +200,7 @@ class Worker:
                 log.error("job %s: start failed: %s", d.job_id, out)
             elif out.outcome == "dead":
                 log.warning("job %s: dead-lettered after %s deliveries", d.job_id, out.attempts)
-                self.metrics.job_done(wire.FAILED)
+                self.metrics.dead_letter()
             elif out.outcome == "skip":
                 log.info("job %s: skipped (%s)", d.job_id, out.state)
             elif out.outcome == "later":
@@ -242,6 +255,7 @@ class Worker:
             raise Rejected("invalid_request", str(e)) from None
         self.active[job.id] = job
         self.metrics.running.set(len(self.active))
+        self.metrics.job_started(job.enqueued_at, job.started_at, job.prompt_tokens, job.attempts)
 
     def _step(self) -> None:
         t = time.perf_counter()
@@ -253,6 +267,7 @@ class Worker:
             raise
         self.steps += 1
         self.metrics.step_seconds.observe(time.perf_counter() - t)
+        self._observe_step(outs, time.perf_counter() - t)
         self.metrics.steps.inc()
         now = time.time()
         items = []
@@ -274,6 +289,44 @@ class Worker:
         self.metrics.tokens.inc(ntok)
         self.metrics.running.set(len(self.active))
         self._expire(now)
+        self.engine.times.lap("publish")
+
+    def _observe_step(self, outs: list, seconds: float) -> None:
+        """Metrics of one step: batch size, first tokens, finished jobs. Runs before _step's own bookkeeping, so
+        a job's first_token_at is still unset at its first token and finished jobs are still active."""
+        now, m, probe = time.time(), self.metrics, self.probe
+        self.last_step_s = seconds
+        if probe.seqs:
+            m.step(probe.seqs, probe.tokens, probe.preempted, sum(len(o.new_token_ids) for o in outs))
+            probe.seqs = 0
+        for out in outs:
+            job = self.active.get(out.request_id)
+            if job is None:
+                continue
+            if job.first_token_at is None and out.new_token_ids:
+                m.first_token(job.enqueued_at, job.started_at, now, out.num_cached_tokens)
+            if out.finished:
+                m.finished(job.enqueued_at, job.started_at, job.first_token_at or now, now,
+                           len(out.token_ids) - len(job.resume_ids or ()))
+        eng = self.engine
+        m.engine_state(len(eng.scheduler.running), len(eng.scheduler.waiting), eng.num_free_blocks,
+                       eng.num_total_blocks)
+
+    def _static_info(self) -> dict:
+        cfg = getattr(self.engine, "config", None)
+        return {"model": self.model, "served": sorted(self.served), "device": getattr(cfg, "device", None), "dtype": getattr(cfg, "dtype", None),
+                "max_num_seqs": getattr(cfg, "max_num_seqs", None), "version": pagedq_version(),
+                "host": socket.gethostname(), "pid": os.getpid()}
+
+    def _live_state(self) -> dict:
+        """For the heartbeat thread: plain reads of counters and list lengths the step loop updates."""
+        eng = self.engine
+        sched = getattr(eng, "scheduler", None)
+        total, free = eng.num_total_blocks, eng.num_free_blocks
+        return {"jobs": len(self.active), "running": len(sched.running) if sched else len(self.active),
+                "waiting": len(sched.waiting) if sched else 0, "kv_blocks_used": total - free,
+                "kv_blocks_total": total, "steps": self.steps, "last_step_s": round(self.last_step_s, 6),
+                "jobs_finished": self.metrics.jobs_finished, "draining": self.stop_event.is_set()}
 
     def _expire(self, now: float) -> None:
         for job in [j for j in self.active.values() if j.deadline is not None and now >= j.deadline]:
