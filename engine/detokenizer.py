@@ -28,12 +28,22 @@ class _Stream:
         self.tokenizer = tokenizer
         self.rust = tokenizer._tokenizer
         self.stream = DecodeStream(ids=context, skip_special_tokens=True)
+        self.step = self.stream.step
         self.pending: list[int] = []
+
+    def add_one(self, token_id: int) -> str:
+        chunk = self.step(self.rust, token_id)
+        if chunk is None:
+            self.pending.append(token_id)
+            return ""
+        if self.pending:
+            self.pending.clear()
+        return chunk
 
     def add(self, ids: list[int], final: bool) -> str:
         out = ""
         for t in ids:
-            chunk = self.stream.step(self.rust, t)
+            chunk = self.step(self.rust, t)
             if chunk is None:
                 self.pending.append(t)
             else:
@@ -61,6 +71,9 @@ class _Window:
             return after[len(before) :]
         return ""
 
+    def add_one(self, token_id: int) -> str:
+        return self.add([token_id], final=False)
+
 
 class Detokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str]) -> None:
@@ -71,6 +84,14 @@ class Detokenizer:
         self.sent = 0  # characters of text already handed out
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
+
+    def add_one(self, token_id: int) -> str:
+        """add([token_id], final=False) without stop strings -> the new text: what most steps of most requests do."""
+        new = self.decoder.add_one(token_id)
+        if new:
+            self.text += new
+            self.sent = len(self.text)
+        return new
 
     def add(self, token_ids: list[int], final: bool) -> tuple[str, bool]:
         """Feed new tokens -> (new text to emit, whether a stop string ended the output)."""

@@ -193,11 +193,13 @@ class LLMEngine:
         elif num_out >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             reason = "length"
         detok = self.detok[seq.request_id]
-        # EOS and stop tokens are kept in token_ids but their text is not shown.
-        shown = [] if reason == "stop" else [token]
-        text, stopped = detok.add(shown, final=reason is not None)
-        if stopped:
-            reason = "stop"
+        if reason is None and not detok.stop:  # the hot case: one token, nothing held back or cut
+            text = detok.add_one(token)
+        else:
+            # EOS and stop tokens are kept in token_ids but their text is not shown.
+            text, stopped = detok.add([] if reason == "stop" else [token], final=reason is not None)
+            if stopped:
+                reason = "stop"
         lp = None
         if logprobs is not None and p.logprobs is not None:
             top = {}
