@@ -16,7 +16,7 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.sampler import SamplingBatch
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.stats import StepTimes
 
@@ -42,6 +42,7 @@ class LLMEngine:
         self.rng = random.Random(config.seed)
         self.times = StepTimes()
         self.runner.times = self.times
+        self.last_batch = SchedulerOutput()  # what the latest step ran: for a worker's batch-size metrics
         # The model, tokenizer and cache bookkeeping live as long as the engine: out of the collector's sight,
         # full collections no longer walk them every time requests come and go.
         gc.collect()
@@ -127,6 +128,14 @@ class LLMEngine:
         return self.scheduler.num_admittable()
 
     @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks
 
@@ -151,7 +160,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         self.times.start()
-        batch = self.scheduler.schedule()
+        batch = self.last_batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
         self.times.steps += 1

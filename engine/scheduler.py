@@ -64,6 +64,11 @@ class Scheduler:
             self.running = [s for s in self.running if s.status is Status.RUNNING]
             self.finished_running = 0
 
+    @property
+    def num_running(self) -> int:
+        self._drop_finished()
+        return len(self.running)
+
     def has_unfinished(self) -> bool:
         self._drop_finished()
         return bool(self.waiting or self.running)

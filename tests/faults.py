@@ -1,4 +1,5 @@
-"""Helpers of the fault tests: waiting for states (never for time or counts), reading worker logs."""
+"""Helpers of the tests with real processes: waiting for states (never for time or counts), reading worker
+logs, requests and checks of the fault tests."""
 
 from __future__ import annotations
 
@@ -7,9 +8,13 @@ import time
 from producer import JobRequest
 
 
-def wait_for(cond, timeout: float, what: str) -> None:
+def wait_for(cond, timeout: float, what: str):
+    """Poll `cond` until it returns something true, and return that: a state, never a duration."""
     end = time.monotonic() + timeout
-    while not cond():
+    while True:
+        got = cond()
+        if got:
+            return got
         assert time.monotonic() < end, f"timed out waiting for {what}"
         time.sleep(0.05)
 

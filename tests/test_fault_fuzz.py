@@ -3,10 +3,10 @@ ends with a result; the worker stays up, the stream drains, and a good job after
 
 import itertools
 import json
-import time
 from collections import Counter
 
 import pytest
+from faults import wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -153,13 +153,6 @@ def would_run(fields: dict, job_id: str) -> bool:
         return False
 
 
-def wait_until(cond, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def test_hostile_payloads(redis_url, queue, rds, pq_tiny_model, start_worker):
     c = Client(redis_url, queue=queue, limits=LIMITS)
     proc = start_worker(queue, pq_tiny_model, *FLAGS)
@@ -199,7 +192,7 @@ def test_hostile_payloads(redis_url, queue, rds, pq_tiny_model, start_worker):
         assert proc.poll() is None, "the worker died"
         return rds.xlen(c.keys.jobs) == 0 and rds.xpending(c.keys.jobs, "workers")["pending"] == 0
 
-    wait_until(drained, 120, "the stream to drain")
+    wait_for(drained, 120, "the stream to drain")
     for job_id in accepted:
         res = c.result(job_id, timeout=5)
         assert res.status in TERMINAL and res.status != "cancelled", res

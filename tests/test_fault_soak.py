@@ -6,6 +6,7 @@ import time
 import urllib.request
 
 import pytest
+from faults import wait_for
 
 from producer import Client, JobResult
 
@@ -20,13 +21,6 @@ def gauge(port: int, name: str) -> float | None:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     m = re.search(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M)
     return float(m.group(1)) if m else None
-
-
-def wait_until(cond, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def collect(c: Client, ids: list[str], proc, timeout: float, on_sweep) -> dict[str, JobResult]:
@@ -58,8 +52,8 @@ def test_soak_2000_jobs(queue, pq_tiny_model, start_worker):
                             "--num-kv-blocks", "512", "--max-model-len", "128", "--result-ttl", str(TTL),
                             "--metrics-port", str(port))
         # The worker's consumer group creates the jobs stream; that key stays, the rest must go.
-        wait_until(lambda: c.redis.exists(c.keys.jobs) and proc.poll() is None, 120, "the worker to start")
-        wait_until(lambda: gauge(port, "pagedq_kv_blocks_total"), 30, "the metrics endpoint")
+        wait_for(lambda: c.redis.exists(c.keys.jobs) and proc.poll() is None, 120, "the worker to start")
+        wait_for(lambda: gauge(port, "pagedq_kv_blocks_total"), 30, "the metrics endpoint")
         baseline = c.redis.dbsize()
         total = gauge(port, "pagedq_kv_blocks_total")
         assert total == 512
@@ -82,12 +76,12 @@ def test_soak_2000_jobs(queue, pq_tiny_model, start_worker):
             (r.id, r.status, r.error) for r in results.values() if r.status != "completed"][:5]
         assert sum(len(r.token_ids) for r in results.values()) == sum(2 + i % 3 for i in range(JOBS))
 
-        wait_until(lambda: gauge(port, "pagedq_kv_blocks_free") == total, 10, "every KV block to be free")
+        wait_for(lambda: gauge(port, "pagedq_kv_blocks_free") == total, 10, "every KV block to be free")
         assert c.redis.xlen(c.keys.jobs) == 0 and c.redis.xpending(c.keys.jobs, "workers")["pending"] == 0
         assert seen["free"] < total
 
         # Results, event streams and job hashes all carry the TTL; Redis's active expiry removes them soon after.
-        wait_until(lambda: c.redis.dbsize() <= baseline, TTL + 30, "the keys to expire")
+        wait_for(lambda: c.redis.dbsize() <= baseline, TTL + 30, "the keys to expire")
         after = c.redis.dbsize()
         assert after == baseline, sorted(c.redis.scan_iter(count=1000))[:20]
         assert proc.poll() is None

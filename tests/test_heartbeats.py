@@ -7,6 +7,7 @@ import time
 
 import pytest
 from click.testing import CliRunner
+from faults import wait_for
 
 from producer import Client
 from producer.keys import GROUP, Keys
@@ -16,16 +17,6 @@ from worker.heartbeat import Heartbeat
 from worker.metrics import Metrics
 
 FLAGS = ("--max-num-seqs", "4", "--num-kv-blocks", "64", "--max-model-len", "256", "--heartbeat-s", "0.5")
-
-
-def wait_until(cond, timeout: float, what: str):
-    end = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def cli(redis_url, queue, *args):
@@ -43,7 +34,7 @@ def status_json(redis_url, queue) -> dict:
 def test_status_shows_live_workers_and_forgets_dead_ones(redis_url, queue, rds, pq_tiny_model, start_worker):
     a = start_worker(queue, pq_tiny_model, *FLAGS, "--worker-id", "hb-a")
     b = start_worker(queue, pq_tiny_model, *FLAGS, "--worker-id", "hb-b")
-    info = wait_until(lambda: (i := status_json(redis_url, queue)) and len(i["workers"]) == 2 and i, 120,
+    info = wait_for(lambda: (i := status_json(redis_url, queue)) and len(i["workers"]) == 2 and i, 120,
                       "two live workers")
     w = {x["id"]: x for x in info["workers"]}["hb-a"]
     assert w["queue"] == queue and w["device"] == "cpu" and w["dtype"] == "float32"
@@ -56,7 +47,7 @@ def test_status_shows_live_workers_and_forgets_dead_ones(redis_url, queue, rds, 
         assert all(j.result(timeout=120).status == "completed" for j in jobs)
     # The workers' stats intervals reach the queue's stats stream: every token is in exactly one interval.
     produced = 4 * 6
-    wait_until(lambda: sum(int(f["tokens"]) for _, f in rds.xrange(Keys(queue).stats)) == produced, 30,
+    wait_for(lambda: sum(int(f["tokens"]) for _, f in rds.xrange(Keys(queue).stats)) == produced, 30,
                "the generated tokens in the stats stream")
 
     out = cli(redis_url, queue, "status").output
@@ -67,7 +58,7 @@ def test_status_shows_live_workers_and_forgets_dead_ones(redis_url, queue, rds, 
     # Killed: no goodbye. It vanishes within one TTL (1.5 s here) of its last beat.
     a.send_signal(signal.SIGKILL)
     a.wait(30)
-    wait_until(lambda: [x["id"] for x in status_json(redis_url, queue)["workers"]] == ["hb-b"], 30,
+    wait_for(lambda: [x["id"] for x in status_json(redis_url, queue)["workers"]] == ["hb-b"], 30,
                "the killed worker to vanish")
     # Its consumer is still in the group (pruning waits a minute of idleness), shown as without a heartbeat.
     assert "consumer hb-a (no heartbeat)" in cli(redis_url, queue, "status").output
@@ -110,7 +101,7 @@ def test_records_expire_and_queues_are_listed(redis_url, queue, rds):
     rec = fleet.live_workers(rds, Keys(other))[0]
     assert rec["kv_blocks_used"] == 3 and rec["model"] == "m" and rec["queue"] == other
     # No beat for longer than its TTL (3 intervals): gone, though nobody removed it.
-    wait_until(lambda: fleet.live_workers(rds, Keys(queue)) == [], 10, "the record's TTL")
+    wait_for(lambda: fleet.live_workers(rds, Keys(queue)) == [], 10, "the record's TTL")
     hb.remove()
     assert rds.zscore(Keys(queue).workers, "w1") is None
 

@@ -2,28 +2,17 @@
 port), driven by the official `openai` client and, for the wire details, by httpx."""
 
 import json
-import time
 
 import httpx
 import openai
 import pytest
+from faults import wait_for
 
 from producer import Client
 from worker.redis_server import free_port
 
 WORKER_FLAGS = ("--max-num-seqs", "8", "--num-kv-blocks", "256", "--max-model-len", "512",
                 "--served-model-name", "tiny")
-
-
-def wait_for(check, what: str, timeout: float = 120):
-    """Poll `check` until it returns something true (a state, not a duration, is what tests assert)."""
-    end = time.monotonic() + timeout
-    while True:
-        out = check()
-        if out:
-            return out
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def job_id(response_id: str) -> str:
@@ -160,14 +149,14 @@ def test_disconnect_cancels_the_job(redis_url, queue, pq_tiny_model, start_worke
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         first = json.loads(next(lines)[len("data: "):])
-        wait_for(lambda: next(lines).startswith("data: {"), "a token chunk")
+        wait_for(lambda: next(lines).startswith("data: {"), 120, "a token chunk")
     # The connection is closed: the server cancels the job, the worker stops it and frees its blocks.
     with Client(redis_url, queue=queue) as c:
-        wait_for(lambda: c.status(job_id(first["id"])) == "cancelled", "the job to be cancelled")
+        wait_for(lambda: c.status(job_id(first["id"])) == "cancelled", 120, "the job to be cancelled")
         res = c.result(job_id(first["id"]), timeout=10)
         assert res.finish_reason == "cancelled" and 1 <= len(res.token_ids) < 400
     free_total = wait_for(lambda: (lambda f, t: t > 0 and f == t and (f, t))(*_kv(f"http://127.0.0.1:{port}")),
-                          "the KV blocks to come back")
+                          120, "the KV blocks to come back")
     assert free_total[0] == free_total[1]
 
 

@@ -22,7 +22,6 @@ from producer import calls, defaults, scripts, wire
 from producer.connection import connect
 from producer.keys import GROUP, Keys
 from producer.protocol import Limits
-from worker.batch_probe import BatchProbe
 from worker.heartbeat import Heartbeat
 from worker.job import RunningJob
 from worker.leases import LeaseKeeper
@@ -81,7 +80,6 @@ class Worker:
         self.active: dict[str, RunningJob] = {}
         self.stop_event = threading.Event()
         self.publisher = Publisher(self.r, self.keys, self.settings, self.model, self.metrics)
-        self.probe = BatchProbe(engine)
         self.last_step_s = 0.0
         self.heartbeat = Heartbeat(self.r, self.keys, self.id, self._static_info(), config.heartbeat_s, self.metrics,
                                    self._live_state, config.lease_ms)
@@ -294,11 +292,10 @@ class Worker:
     def _observe_step(self, outs: list, seconds: float) -> None:
         """Metrics of one step: batch size, first tokens, finished jobs. Runs before _step's own bookkeeping, so
         a job's first_token_at is still unset at its first token and finished jobs are still active."""
-        now, m, probe = time.time(), self.metrics, self.probe
+        now, m, batch = time.time(), self.metrics, self.engine.last_batch
         self.last_step_s = seconds
-        if probe.seqs:
-            m.step(probe.seqs, probe.tokens, probe.preempted, sum(len(o.new_token_ids) for o in outs))
-            probe.seqs = 0
+        if batch.seqs:
+            m.step(len(batch.seqs), batch.num_tokens, len(batch.preempted), sum(len(o.new_token_ids) for o in outs))
         for out in outs:
             job = self.active.get(out.request_id)
             if job is None:
@@ -309,7 +306,7 @@ class Worker:
                 m.finished(job.enqueued_at, job.started_at, job.first_token_at or now, now,
                            len(out.token_ids) - len(job.resume_ids or ()))
         eng = self.engine
-        m.engine_state(len(eng.scheduler.running), len(eng.scheduler.waiting), eng.num_free_blocks,
+        m.engine_state(eng.num_running, eng.num_waiting, eng.num_free_blocks,
                        eng.num_total_blocks)
 
     def _static_info(self) -> dict:
