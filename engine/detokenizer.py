@@ -5,10 +5,17 @@ character. A fast tokenizer decodes through its Rust `DecodeStream`, one call pe
 short window of tokens decoded twice (the text it shows is the new part, held while it ends in U+FFFD). While stop
 strings are set, the last len(longest stop) - 1 characters are held back, so a stop string never leaks into a
 stream before it is recognized and cut.
+
+Without stop strings nothing in the step loop needs the text, so decoding is deferred: the step only records the
+token (`defer`), and whoever reads an output's text first (the worker's publisher thread, or a caller of
+`generate`) decodes up to it (`text_range`). Decoding stays in token order whoever asks, under a lock.
 """
 
 from __future__ import annotations
 
+import threading
+
+NO_TOKEN = -1  # a deferred position whose token is not shown (EOS, a stop token)
 CONTEXT_TOKENS = 6  # prompt tokens decoded with the output, so the first output token gets its leading space right
 
 try:
@@ -84,6 +91,34 @@ class Detokenizer:
         self.sent = 0  # characters of text already handed out
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
+        self.lazy = not stop
+        self._queued: list[int] = []  # deferred tokens by position; NO_TOKEN: a position that shows no token
+        self._ends = [0]  # text length before position 0, then after each decoded position
+        self._final_at = -1  # the position that ends the output (flushes held-back bytes)
+        self._lock = threading.Lock()
+
+    def defer(self, token_id: int, final: bool) -> int:
+        """Record the next token for later decoding -> its position (for text_range). Lazy detokenizers only."""
+        pos = len(self._queued)
+        if final:
+            self._final_at = pos
+        self._queued.append(token_id)
+        return pos
+
+    def text_range(self, pos: int) -> tuple[int, int]:
+        """Decode up to position pos if not yet done -> the slice of `text` that position added."""
+        ends = self._ends
+        if len(ends) <= pos + 1:
+            with self._lock:
+                while len(ends) <= pos + 1:
+                    i = len(ends) - 1
+                    token = self._queued[i]
+                    if i == self._final_at:
+                        self.add([] if token == NO_TOKEN else [token], final=True)
+                    elif token != NO_TOKEN:
+                        self.add_one(token)
+                    ends.append(len(self.text))
+        return ends[pos], ends[pos + 1]
 
     def add_one(self, token_id: int) -> str:
         """add([token_id], final=False) without stop strings -> the new text: what most steps of most requests do."""
@@ -122,3 +157,4 @@ class Detokenizer:
             # The other side decoded differently (another tokenizer version, say): trust what was streamed.
             self.text = sent_text
         self.sent = len(sent_text)
+        self._ends = [self.sent]

@@ -7,10 +7,11 @@ import contextlib
 import gc
 import logging
 import random
+from operator import attrgetter
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.detokenizer import Detokenizer
+from engine.detokenizer import NO_TOKEN, Detokenizer
 from engine.loader import resolve_model
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
@@ -21,6 +22,7 @@ from engine.sequence import Sequence
 from engine.stats import StepTimes
 
 log = logging.getLogger("pagedq.engine")
+_PLAIN_GREEDY = attrgetter("plain_greedy")
 
 
 class LLMEngine:
@@ -38,7 +40,6 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner.tables = self.block_manager.tables
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.detok: dict[str, Detokenizer] = {}
         self.rng = random.Random(config.seed)
         self.times = StepTimes()
         self.runner.times = self.times
@@ -105,12 +106,14 @@ class LLMEngine:
         if len(resumed) >= params.max_tokens or len(ids) + len(resumed) >= self.max_model_len:
             raise ValueError("resume_token_ids leave no room for another token: the request is already complete")
         seq = Sequence(request_id, ids, params, priority, seed=self.rng.getrandbits(63))
-        detok = Detokenizer(self.tokenizer, ids, params.stop)
+        if not params.ignore_eos:
+            seq.stop_ids |= self.eos_token_ids
+        seq.max_len = min(seq.max_len, self.max_model_len)
+        seq.detok = detok = Detokenizer(self.tokenizer, ids, params.stop)
         if resumed:
             seq.token_ids.extend(resumed)
             detok.resume(resumed, resume_text)
         self.scheduler.add(seq)
-        self.detok[request_id] = detok
 
     def abort(self, request_id: str) -> bool:
         """Drop a request now; its KV blocks are free when this returns. False if it was not in the engine."""
@@ -118,7 +121,6 @@ class LLMEngine:
         if seq is None:
             return False
         self.scheduler.finish(seq, "abort")
-        self.detok.pop(request_id, None)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -164,18 +166,12 @@ class LLMEngine:
         if not batch.seqs:
             return []
         self.times.steps += 1
-        samplers = [s for s, n in zip(batch.seqs, batch.num_new_tokens)
-                    if s.num_computed_tokens + n == len(s.token_ids)]
-        params = [s.params for s in samplers]
-        needs_history = any(p.uses_history for p in params)
-        sampling = SamplingBatch(
-            params=params,
-            seeds=[s.seed for s in samplers],
-            steps=[len(s.token_ids) - s.num_prompt_tokens for s in samplers],
-            output_ids=[s.output_token_ids for s in samplers] if needs_history else None,
-            prompt_ids=[s.token_ids[: s.num_prompt_tokens] for s in samplers] if needs_history else None,
-            eos_ids=sorted(self.eos_token_ids),
-        )
+        if batch.num_tokens == len(batch.seqs):  # decode only: every sequence samples its next token
+            samplers = batch.seqs
+        else:
+            samplers = [s for s, n in zip(batch.seqs, batch.num_new_tokens)
+                        if s.num_computed_tokens + n == len(s.token_ids)]
+        sampling = self._sampling(samplers)
         self.times.lap("schedule")
         tokens, logprobs = self.runner.run(batch, sampling)
         bm = self.block_manager
@@ -183,56 +179,63 @@ class LLMEngine:
             seq.num_computed_tokens += n
             if bm.prefix_caching and seq.num_computed_tokens // bm.block_size > len(seq.block_hashes):
                 bm.commit(seq)  # it filled a block: others may share it now
-        outputs = []
-        with_logprobs = logprobs.numel() > 0
-        for row, (seq, token) in enumerate(zip(samplers, tokens)):
-            seq.token_ids.append(token)
-            outputs.append(self._output(seq, token, logprobs[row] if with_logprobs else None))
+        if logprobs.numel():
+            outputs = [self._output(seq, token, logprobs[row]) for row, (seq, token) in
+                       enumerate(zip(samplers, tokens))]
+        else:
+            outputs = list(map(self._output, samplers, tokens))
         self.times.lap("outputs")
         return outputs
 
-    def _output(self, seq: Sequence, token: int, logprobs) -> RequestOutput:
-        p = seq.params
-        num_out = len(seq.token_ids) - seq.num_prompt_tokens
-        is_eos = token in self.eos_token_ids and not p.ignore_eos
-        stop_token = (is_eos or token in p.stop_token_ids) and num_out >= p.min_tokens
+    def _sampling(self, samplers: list[Sequence]) -> SamplingBatch:
+        if all(map(_PLAIN_GREEDY, samplers)):  # the common batch: one argmax, no per-row settings to gather
+            return SamplingBatch.greedy()
+        params = [s.params for s in samplers]
+        needs_history = any(p.uses_history for p in params)
+        return SamplingBatch(
+            params=params,
+            seeds=[s.seed for s in samplers],
+            steps=[len(s.token_ids) - s.num_prompt_tokens for s in samplers],
+            output_ids=[s.output_token_ids for s in samplers] if needs_history else None,
+            prompt_ids=[s.token_ids[: s.num_prompt_tokens] for s in samplers] if needs_history else None,
+            eos_ids=sorted(self.eos_token_ids),
+        )
+
+    def _output(self, seq: Sequence, token: int, logprobs=None) -> RequestOutput:
+        ids = seq.token_ids
+        ids.append(token)
         reason = None
-        if stop_token:
+        if token in seq.stop_ids and len(ids) >= seq.min_len:
             reason = "stop"
-        elif num_out >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        elif len(ids) >= seq.max_len:
             reason = "length"
-        detok = self.detok[seq.request_id]
-        if reason is None and not detok.stop:  # the hot case: one token, nothing held back or cut
-            text = detok.add_one(token)
+        detok = seq.detok
+        # EOS and stop tokens are kept in token_ids but their text is not shown.
+        shown = NO_TOKEN if reason == "stop" else token
+        if detok.lazy:  # no stop strings: the text can wait for whoever reads it
+            pos, text = detok.defer(shown, reason is not None), ""
         else:
-            # EOS and stop tokens are kept in token_ids but their text is not shown.
-            text, stopped = detok.add([] if reason == "stop" else [token], final=reason is not None)
+            pos, (text, stopped) = 0, detok.add([] if shown == NO_TOKEN else [shown], final=reason is not None)
             if stopped:
                 reason = "stop"
-        lp = None
-        if logprobs is not None and p.logprobs is not None:
-            top = {}
-            if p.logprobs:
-                values, ids = logprobs.topk(p.logprobs)
-                top = dict(zip(ids.tolist(), values.tolist()))
-            lp = [(float(logprobs[token]), top)]
-        out = RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=[token],
-            new_text=text,
-            finished=reason is not None,
-            finish_reason=reason,
-            all_ids=seq.token_ids,
-            text=detok.text,
-            text_end=detok.sent,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-            logprobs=lp,
-        )
+        lp = None if logprobs is None else self._logprobs(seq.params, token, logprobs)
+        out = RequestOutput(seq.request_id, [token], text, reason is not None, reason, all_ids=ids,
+                            text=detok.text, text_end=detok.sent, num_prompt_tokens=seq.num_prompt_tokens,
+                            num_cached_tokens=seq.num_cached_tokens, logprobs=lp,
+                            detok=detok if detok.lazy else None, pos=pos)
         if reason is not None:
             self.scheduler.finish(seq, reason)
-            del self.detok[seq.request_id]
         return out
+
+    @staticmethod
+    def _logprobs(p: SamplingParams, token: int, logprobs) -> list | None:
+        if p.logprobs is None:
+            return None
+        top = {}
+        if p.logprobs:
+            values, ids = logprobs.topk(p.logprobs)
+            top = dict(zip(ids.tolist(), values.tolist()))
+        return [(float(logprobs[token]), top)]
 
     # ---- offline convenience --------------------------------------------------------------------------------
 

@@ -11,19 +11,20 @@ class RequestOutput:
     (logprob of the token, {token_id: logprob} of the top N)); token_ids and text: all output so far.
 
     The totals are read on demand from the request's own token list and text, as they stood at this step:
-    copying them into every step's output would cost each request its whole output length every step.
+    copying them into every step's output would cost each request its whole output length every step. When the
+    request's detokenizer defers decoding (no stop strings), new_text and text are decoded on first read.
     """
 
-    __slots__ = ("request_id", "new_token_ids", "new_text", "finished", "finish_reason", "num_prompt_tokens",
-                 "num_cached_tokens", "logprobs", "_ids", "_ids_start", "_ids_end", "_text", "_text_end")
+    __slots__ = ("request_id", "new_token_ids", "finished", "finish_reason", "num_prompt_tokens",
+                 "num_cached_tokens", "logprobs", "_ids", "_ids_start", "_ids_end", "_new_text", "_text",
+                 "_text_end", "_detok", "_pos")
 
     def __init__(self, request_id: str, new_token_ids: list[int], new_text: str, finished: bool,
                  finish_reason: str | None = None, *, all_ids: list[int] | None = None, num_prompt_tokens: int = 0,
                  text: str = "", text_end: int | None = None, num_cached_tokens: int = 0,
-                 logprobs: list[tuple[float, dict[int, float]]] | None = None) -> None:
+                 logprobs: list[tuple[float, dict[int, float]]] | None = None, detok=None, pos: int = 0) -> None:
         self.request_id = request_id
         self.new_token_ids = new_token_ids
-        self.new_text = new_text
         self.finished = finished
         self.finish_reason = finish_reason
         self.num_prompt_tokens = num_prompt_tokens
@@ -33,8 +34,26 @@ class RequestOutput:
         self._ids = all_ids if all_ids is not None else list(new_token_ids)
         self._ids_start = num_prompt_tokens if all_ids is not None else 0
         self._ids_end = len(self._ids)
+        self._new_text = new_text
         self._text = text
         self._text_end = len(text) if text_end is None else text_end
+        self._detok = detok  # a deferring Detokenizer, and this output's position in it
+        self._pos = pos
+
+    def _decode(self) -> None:
+        detok = self._detok
+        if detok is None:  # another thread decoded it meanwhile
+            return
+        start, end = detok.text_range(self._pos)
+        text = detok.text  # only ever grows while deferring (no stop strings to cut)
+        self._new_text, self._text, self._text_end = text[start:end], text, end
+        self._detok = None
+
+    @property
+    def new_text(self) -> str:
+        if self._detok is not None:
+            self._decode()
+        return self._new_text
 
     @property
     def token_ids(self) -> list[int]:
@@ -42,6 +61,8 @@ class RequestOutput:
 
     @property
     def text(self) -> str:
+        if self._detok is not None:
+            self._decode()
         return self._text[: self._text_end]
 
     def __repr__(self) -> str:

@@ -22,6 +22,11 @@ class SamplingBatch:
     output_ids: list[list[int]] | None = None
     prompt_ids: list[list[int]] | None = None
     eos_ids: list[int] | None = None
+    greedy_only: bool = False  # every row plain greedy: an argmax, nothing else
+
+    @classmethod
+    def greedy(cls) -> SamplingBatch:
+        return cls(params=[], seeds=[], steps=[], greedy_only=True)
 
 
 def _mix(seed: int, step: int) -> int:
@@ -67,6 +72,8 @@ def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [S, V] float32 -> (token ids [S], logprobs of the raw distribution [S, V] or empty)."""
+    if batch.greedy_only:
+        return logits.argmax(dim=-1), torch.empty(0)
     want_logprobs = any(p.logprobs is not None for p in batch.params)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else torch.empty(0)
     logits = apply_min_tokens(apply_penalties(logits, batch), batch)

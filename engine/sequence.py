@@ -41,6 +41,13 @@ class Sequence:
         self.block_hashes: list[int] = []  # prefix-cache hashes of the full blocks computed so far
         self.finish_reason: str | None = None
         self.num_preemptions = 0
+        # Fixed for the request's life, so the step's per-token checks are a set lookup and two compares.
+        self.plain_greedy = params.temperature == 0 and params.logprobs is None and not (
+            params.min_tokens or params.uses_history)
+        self.min_len = self.num_prompt_tokens + params.min_tokens  # a stop token ends it from this length on
+        self.max_len = self.num_prompt_tokens + params.max_tokens  # the engine lowers it to its max_model_len
+        self.stop_ids: frozenset[int] = frozenset(params.stop_token_ids)  # the engine adds EOS unless ignore_eos
+        self.detok = None  # the engine's Detokenizer for it
 
     @property
     def num_tokens(self) -> int:

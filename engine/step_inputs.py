@@ -31,19 +31,21 @@ def build(batch: SchedulerOutput, tables: np.ndarray, block_size: int) -> StepIn
     b = len(seqs)
     n = np.array(batch.num_new_tokens, dtype=np.int64)
     start = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, b)
-    total = np.fromiter((s.num_tokens for s in seqs), np.int64, b)
     rows = np.fromiter((s.table_row for s in seqs), np.int64, b)
     end = start + n
     qsl = np.zeros(b + 1, dtype=np.int32)
     np.cumsum(n, out=qsl[1:])
     table = tables[rows, : -(-int(end.max()) // block_size)]
-    if int(qsl[-1]) == b:  # one new token each: decode (the common, hot case)
-        ids = np.fromiter((s.token_ids[s.num_computed_tokens] for s in seqs), np.int64, b)
-        positions, token_rows = start, np.arange(b)
+    if int(qsl[-1]) == b:  # one new token each: decode (the common, hot case), and each samples
+        ids = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, b)
+        positions = start
+        token_rows = sample_rows = np.arange(b)
     else:
         ids = np.fromiter(chain.from_iterable(s.token_ids[a : a + k] for s, a, k in
                                               zip(seqs, start.tolist(), n.tolist())), np.int64, int(qsl[-1]))
         token_rows = np.repeat(np.arange(b), n)
         positions = np.arange(int(qsl[-1]), dtype=np.int64) - np.repeat(qsl[:-1] - start, n)
+        total = np.fromiter((s.num_tokens for s in seqs), np.int64, b)
+        sample_rows = (qsl[1:] - 1)[end == total]
     slots = table[token_rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    return StepInputs(ids, positions, slots, qsl, end.astype(np.int32), table, (qsl[1:] - 1)[end == total])
+    return StepInputs(ids, positions, slots, qsl, end.astype(np.int32), table, sample_rows)

@@ -87,3 +87,51 @@ def test_resumed_request_continues_the_stream(engine, cut, seed):
             final = o
     assert final.token_ids == whole.token_ids
     assert sent + "".join(rest) == whole.text
+
+
+def _collect(engine, prompt, params):
+    engine.add_request("lazy", prompt=prompt, params=params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    return outs
+
+
+@pytest.mark.parametrize("prompt", ["请用中文写一首关于大海的诗。", "Tell me a story about a dragon."])
+def test_deferred_text_is_the_same_whoever_reads_it_and_in_what_order(engine, prompt):
+    """Without stop strings the step only records tokens; the text of each step must not depend on when, in
+    which order or from which thread it is read."""
+    import threading
+
+    params = SamplingParams(max_tokens=40, temperature=0.8, seed=3)
+    in_order = [o.new_text for o in _collect(engine, prompt, params)]
+    outs = _collect(engine, prompt, params)
+    final_text = outs[-1].text  # the last one first: decodes every step before it
+    backwards = [o.new_text for o in reversed(outs)][::-1]
+    assert backwards == in_order and "".join(in_order) == final_text
+
+    outs = _collect(engine, prompt, params)
+    seen: dict[int, str] = {}
+
+    def read(rows):
+        for i in rows:
+            seen[i] = outs[i].new_text
+
+    threads = [threading.Thread(target=read, args=(range(k, len(outs), 3),)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [seen[i] for i in range(len(outs))] == in_order
+    assert [o.text for o in outs][-1] == final_text
+
+
+def test_deferred_text_stops_at_a_stop_token_without_showing_it(engine):
+    prompt = "Tell me a story about a dragon."
+    free = _collect(engine, prompt, SamplingParams(max_tokens=30, temperature=0))
+    stop_token = free[3].new_token_ids[0]
+    outs = _collect(engine, prompt, SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[stop_token]))
+    last = outs[-1]
+    assert last.finish_reason == "stop" and last.token_ids[-1] == stop_token
+    assert last.text == engine.tokenizer.decode(last.token_ids[:-1], skip_special_tokens=True)
+    assert "".join(o.new_text for o in outs) == last.text
