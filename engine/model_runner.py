@@ -12,6 +12,7 @@ from engine.block_tables import BlockTables
 from engine.config import EngineConfig
 from engine.decode_buffers import DecodeBuffers
 from engine.models.llama import SUPPORTED_ARCHS, AttnContext, LlamaForCausalLM
+from engine.packed_linear import pack_linears
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import SchedulerOutput
 from engine.stats import StepTimes
@@ -65,6 +66,8 @@ class ModelRunner:
         self.model.cos = self.model.cos.float()
         self.model.sin = self.model.sin.float()
         self.model.eval()
+        if self.device.type == "cpu" and config.prepack_weights:
+            log.info("prepacked %d linear layers", pack_linears(self.model, config.max_num_seqs))
         self.num_blocks = self._size_cache()
         self.max_model_len = min(self.max_model_len, self.num_blocks * config.block_size)
         self._allocate_cache()

@@ -30,23 +30,34 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return g.view(*blocks.shape[:-1], -1, *cache.shape[2:])
 
 
-# Decode rows are attended in groups of about this many cached tokens: a group's gathered keys and values then
-# stay in the CPU caches, and longer sequences are not padded to the longest of the whole batch.
-GROUP_TOKENS = 4096
+# Decode rows are attended in groups sorted by cache length, each padded to its longest row: a group grows while
+# the padding stays under a third of what it gathers (longer sequences are not padded to the longest of the whole
+# batch) and its gathered keys and values stay within a few MB.
+GROUP_TOKENS = 16384
+MAX_PADDING = 1 / 3
+
+
+def _groups(order: list[int], lens: list[int]) -> list[list[int]]:
+    groups, i = [], 0
+    while i < len(order):
+        j, used = i + 1, lens[order[i]]
+        while j < len(order):
+            padded = (j - i + 1) * lens[order[j]]
+            if padded > GROUP_TOKENS or padded - (used + lens[order[j]]) > MAX_PADDING * padded:
+                break
+            used += lens[order[j]]
+            j += 1
+        groups.append(order[i:j])
+        i = j
+    return groups
 
 
 def _decode(q, k_cache, v_cache, decode, starts, lens, block_table, scale, out) -> None:
-    """One-token queries, grouped by cache length; per KV head a strided bmm, so no copy besides the gather."""
+    """One-token queries. The query heads that share a KV head are that head's queries (no key is repeated), so
+    one fused attention call serves a whole group; the only copy is the gather of its blocks."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group = q.shape[1] // num_kv_heads
-    order = sorted(decode, key=lens.__getitem__)
-    i = 0
-    while i < len(order):
-        j = i + 1
-        while j < len(order) and (j - i + 1) * lens[order[j]] <= GROUP_TOKENS:
-            j += 1
-        seqs = order[i:j]
-        i = j
+    for seqs in _groups(sorted(decode, key=lens.__getitem__), lens):
         n = len(seqs)
         n_blocks = -(-lens[seqs[-1]] // block_size)
         idx = torch.tensor(seqs, device=q.device)
@@ -54,24 +65,21 @@ def _decode(q, k_cache, v_cache, decode, starts, lens, block_table, scale, out) 
         blocks = block_table[idx, :n_blocks].long().flatten()
         k = k_cache.index_select(0, blocks).view(n, n_blocks * block_size, num_kv_heads, head_dim)
         v = v_cache.index_select(0, blocks).view(n, n_blocks * block_size, num_kv_heads, head_dim)
-        qg = q[rows].view(n, num_kv_heads, group, head_dim)
         lens_t = torch.tensor([lens[b] for b in seqs], device=q.device)
-        pad = (torch.arange(k.shape[1], device=q.device)[None, :] >= lens_t[:, None])[:, None, :]
+        keep = torch.arange(k.shape[1], device=q.device)[None, :] < lens_t[:, None]
         # Slots past a sequence's end may hold anything a finished request left there (blocks are reused
-        # unwritten), NaN or inf included; 0 * NaN is NaN, so zero them rather than trust a 0 probability.
-        # Rows are sorted by length, so only the part past the shortest one can hold such slots.
-        shortest = lens[seqs[0]]
-        empty = shortest == 0
-        v[:, shortest:].masked_fill_(pad[:, 0, shortest:, None, None], 0)
-        o = torch.empty(n, num_kv_heads, group, head_dim, dtype=q.dtype, device=q.device)
-        for h in range(num_kv_heads):
-            kh = k[:, :, h].to(q.dtype)
-            scores = torch.bmm(qg[:, h], kh.transpose(1, 2)).float().mul_(scale)
-            probs = torch.softmax(scores.masked_fill_(pad, float("-inf")), dim=-1).to(q.dtype)
-            if empty:  # padding rows of a padded decode batch see no key: zeros, not 0/0
-                probs.nan_to_num_(0.0)
-            o[:, h] = torch.bmm(probs, v[:, :, h].to(q.dtype))
-        out[rows] = o.view(n, num_kv_heads * group, head_dim)
+        # unwritten), NaN or inf included, and a masked NaN still poisons a fused softmax (0 * NaN is NaN): zero
+        # them, touching those slots only.
+        if lens[seqs[0]] < k.shape[1]:
+            pad = (~keep).flatten().nonzero().squeeze(1)
+            k.view(-1, num_kv_heads, head_dim).index_fill_(0, pad, 0)
+            v.view(-1, num_kv_heads, head_dim).index_fill_(0, pad, 0)
+        qg = q[rows].view(n, num_kv_heads, group, head_dim).to(k.dtype)
+        o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=keep[:, None, None, :],
+                                           scale=scale)
+        if lens[seqs[0]] == 0:  # padding rows of a padded decode batch see no key: zeros, not 0/0
+            o = o.nan_to_num(0.0)
+        out[rows] = o.reshape(n, num_kv_heads * group, head_dim).to(out.dtype)
 
 
 def paged_attention(
@@ -104,18 +112,18 @@ def paged_attention(
             continue
         start, total = starts[b], lens[b]
         blocks = block_table[b, : -(-total // block_size)].long()
-        k = _gather(k_cache, blocks)[:total].to(q.dtype)  # [L, Hkv, D]
-        v = _gather(v_cache, blocks)[:total].to(q.dtype)
-        if group > 1:
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-        qs = q[start : start + q_len].transpose(0, 1)  # [Hq, q_len, D]
+        # Query heads [Hkv, group, q_len, D] against keys expanded (stride 0, no copy) to [Hkv, group, L, D]: no
+        # key or value is repeated per query head, and with equal batch shapes torch picks its fused CPU kernel
+        # (a broadcast or enable_gqa falls back to the unfused path, several times slower).
+        k = _gather(k_cache, blocks)[:total].to(q.dtype).transpose(0, 1)[:, None].expand(-1, group, -1, -1)
+        v = _gather(v_cache, blocks)[:total].to(q.dtype).transpose(0, 1)[:, None].expand(-1, group, -1, -1)
+        qs = q[start : start + q_len].view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
         if total == q_len:
-            o = F.scaled_dot_product_attention(qs, k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale)
+            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale)
         else:
             # Bottom-right aligned causal mask: earlier positions are already in the cache.
             pos = torch.arange(total - q_len, total, device=q.device)
             mask = torch.arange(total, device=q.device)[None, :] <= pos[:, None]
-            o = F.scaled_dot_product_attention(qs, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
-        out[start : start + q_len] = o.transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
+        out[start : start + q_len] = o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
     return out
