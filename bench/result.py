@@ -16,6 +16,7 @@ class Outcome:
     ttft: float | None = None  # arrival (or submission) to first token
     tpot: float | None = None  # mean time between its later tokens
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens served from a prefix cache: no model work
 
 
 @dataclass
@@ -39,6 +40,11 @@ class Run:
         return sum(o.prompt_tokens for o in self.outcomes)
 
     @property
+    def computed_prompt_tokens(self) -> int:
+        """Prompt tokens the model actually ran: a prefix-cache hit costs no FLOPs and earns no MFU."""
+        return sum(o.prompt_tokens - o.cached_tokens for o in self.outcomes)
+
+    @property
     def mismatches(self) -> list[str]:
         return [o.id for o in self.outcomes if o.error or o.produced != o.asked]
 
@@ -59,6 +65,7 @@ class Run:
         d.update(
             elapsed_s=self.elapsed,
             prompt_tokens=self.prompt_tokens,
+            cached_prompt_tokens=self.prompt_tokens - self.computed_prompt_tokens,
             output_tokens=self.output_tokens,
             output_tokens_per_s=self.throughput(),
             total_tokens_per_s=(self.prompt_tokens + self.output_tokens) / self.elapsed,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 from bench import mfu, report
 from bench import workloads as wls
 from bench.result import Run
-from bench.systems import ALL, ENGINE, HF_CB, HF_SINGLE, HF_STATIC, LABELS, REDIS, SERVE
+from bench.systems import ALL, DEFAULT, ENGINE, HF_CB, HF_SINGLE, HF_STATIC, LABELS, REDIS, SERVE, VLLM
 
 # Online arrivals run at this fraction of the capacity measured on a closed batch of the same shape:
 # near capacity, where queueing shows in TTFT, yet below it, so the queue does not grow without bound.
@@ -29,6 +30,8 @@ TARGETS = [
     ("mixed: via Redis / engine direct", "mixed", REDIS, ENGINE, 0.95),
     ("shared-prefix: via Redis / engine direct", "shared-prefix", REDIS, ENGINE, 0.95),
     ("mixed: pagedq MFU", "mixed", ENGINE, None, 0.60),
+    ("chat: pagedq / vLLM", "chat", ENGINE, VLLM, 1.0),
+    ("mixed: pagedq / vLLM", "mixed", ENGINE, VLLM, 1.0),
 ]
 # Lower is better: name, workload, system, baseline, summary field, the most system / baseline may be.
 LATENCY_TARGETS = [
@@ -41,25 +44,27 @@ def run_bench(
     model: str = "smollm2-135m-instruct",
     device: str | None = None,
     workloads: Iterable[str] = wls.NAMES,
-    systems: Iterable[str] = ALL,
+    systems: Iterable[str] = DEFAULT,
     quick: bool = False,
     out_dir: str | Path = "bench/results",
     *,
     dtype: str | None = None,
     num_requests: dict[str, int] | None = None,
     hf_single_requests: int | None = None,
-    max_num_seqs: int = 64,
-    max_num_batched_tokens: int = 2048,
+    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int | None = None,
     rate: float | None = None,
     seed: int = 0,
     progress: bool = True,
     charts: bool = True,
     echo: Callable[[str], None] = print,
+    vllm_python: str | None = None,
 ) -> dict:
     """Run the benchmark and write bench.json (and PNG charts) to `out_dir`. Returns what bench.json holds.
 
     `num_requests` scales workloads ({"mixed": 32}); `hf_single_requests` caps the one-at-a-time baseline
-    (default 4, 2 with `quick`); `rate` fixes the online arrival rate instead of measuring capacity."""
+    (default 4, 2 with `quick`); `rate` fixes the online arrival rate instead of measuring capacity;
+    `vllm_python`: the Python of an environment with vLLM installed (see bench.vllm_peer)."""
     workloads = list(dict.fromkeys(workloads))
     systems = list(dict.fromkeys(systems))
     for w in workloads:
@@ -69,7 +74,13 @@ def run_bench(
         if s not in ALL:
             raise ValueError(f"unknown system {s!r}; choose from {', '.join(ALL)}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
+    from engine.config import EngineConfig
+
+    # None and "auto" resolved the engine's way, so every system runs what the engine would.
+    resolved = EngineConfig(device=device, dtype=dtype, max_num_seqs=max_num_seqs,
+                            max_num_batched_tokens=max_num_batched_tokens)
+    dtype, max_num_seqs, max_num_batched_tokens = (resolved.dtype, resolved.max_num_seqs,
+                                                   resolved.max_num_batched_tokens)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf_single_requests = hf_single_requests or (2 if quick else 4)
@@ -112,9 +123,14 @@ def run_bench(
     engine = hf = redis = serve = None
     redis_error = None
     runs: list[Run] = []
+    # vLLM first, in a process of its own that has ended before pagedq loads: the two never share the cores.
+    vllm = _run_vllm(vllm_python, str(folder), dtype, max_num_seqs, max_num_batched_tokens, sets, tokenizer, quick,
+                     seed, out, data, echo) if VLLM in systems else None
     try:
         if ENGINE in systems:
+            t = time.perf_counter()
             engine = _load_engine(model, device, dtype, max_num_seqs, max_num_batched_tokens, kv_blocks)
+            data.setdefault("startup_s", {})[ENGINE] = time.perf_counter() - t
         if any(s in systems for s in (HF_SINGLE, HF_STATIC, HF_CB)):
             hf = _load_hf(folder, device, dtype)
         if REDIS in systems or SERVE in systems:  # the serve path runs on the Redis path's queue and worker
@@ -140,18 +156,18 @@ def run_bench(
             # a manager's start) stay out of the figures, and no prefix cache is warm with timed prompts.
             warm = _warm_set(w, tokenizer, quick, seed)
             for s in systems:
-                if (s != REDIS or redis is not None) and (s != SERVE or serve is not None):
+                if s != VLLM and (s != REDIS or redis is not None) and (s != SERVE or serve is not None):
                     _one(s, warm, engine, hf, redis, redis_error, 1, max_num_seqs, max_num_batched_tokens, False,
                          serve)
             if wl.online:
                 wl = sets[w] = _online(wl, probe, rate, engine, redis, data, progress, echo)
             for s in systems:
                 run = _one(s, wl, engine, hf, redis, redis_error, hf_single_requests, max_num_seqs,
-                           max_num_batched_tokens, progress, serve)
+                           max_num_batched_tokens, progress, serve, vllm)
                 runs.append(run)
                 summary = run.summary()
                 if run.ok:
-                    flops = mfu.model_flops(params, run.prompt_tokens, run.output_tokens)
+                    flops = mfu.model_flops(params, run.computed_prompt_tokens, run.output_tokens)
                     summary["model_flops_per_s"] = flops / run.elapsed
                     summary["mfu"] = flops / run.elapsed / peak["flops_per_s"]
                 data["results"].append(summary)
@@ -171,6 +187,27 @@ def run_bench(
         for p in report.charts(data, out):
             echo(f"wrote {p}")
     return data
+
+
+def _run_vllm(python, folder, dtype, max_num_seqs, max_num_batched_tokens, sets, tokenizer, quick, seed, out, data,
+              echo) -> tuple[dict[str, Run], str]:
+    """vLLM over every offline workload -> (Run per workload, why it did not run or "")."""
+    from bench import vllm_peer
+
+    offline = {w: wl for w, wl in sets.items() if not wl.online}
+    if not offline:
+        return {}, ""
+    spec = vllm_peer.job(folder, dtype, max_num_seqs, max_num_batched_tokens,
+                         [(_warm_set(w, tokenizer, quick, seed), wl) for w, wl in offline.items()])
+    try:
+        runs, info = vllm_peer.run_all(python, torch.get_num_threads(), spec, offline, out / "vllm.log", echo)
+    except vllm_peer.Unavailable as e:
+        echo(f"  vLLM unavailable: {e}")
+        return {}, str(e)
+    data["vllm"] = info
+    data.setdefault("startup_s", {})[VLLM] = info["startup_s"]
+    echo(f"  vLLM {info['version']}: started in {info['startup_s']:.0f} s")
+    return runs, ""
 
 
 def _kv_blocks(sets: list[wls.Workload], max_num_seqs: int) -> int:
@@ -251,9 +288,13 @@ def _engine_run(engine, wl, progress):
 
 
 def _one(s, wl, engine, hf, redis, redis_error, hf_single_requests, max_num_seqs, max_num_batched_tokens,
-         progress, serve=None) -> Run:
+         progress, serve=None, vllm=None) -> Run:
     from bench.systems import run_hf_cb, run_hf_single, run_hf_static
 
+    if s == VLLM:
+        runs, why = vllm or ({}, "not started")
+        return runs.get(wl.name) or Run(s, wl.name, status="skipped" if wl.online else "unavailable",
+                                        note="offline system: no arrivals" if wl.online else why)
     if s == REDIS and redis is None:
         return Run(s, wl.name, status="unavailable", note=redis_error or "not started")
     if s == SERVE and serve is None:

@@ -93,8 +93,9 @@ class ServePath:
                     err = f"finish_reason {finish}"
                 elif usage is None or usage.prompt_tokens != len(r.prompt_ids):
                     err = f"prompt encoded to {usage and usage.prompt_tokens} tokens, expected {len(r.prompt_ids)}"
+                details = usage and usage.prompt_tokens_details
                 return Outcome(r.id, len(r.prompt_ids), r.max_tokens, n_out, None if first is None else first - sent,
-                               tpot(first, last, n_out), err)
+                               tpot(first, last, n_out), err, (details and details.cached_tokens) or 0)
 
             outcomes = await asyncio.gather(*(one(i) for i in range(n)))
             elapsed = time.perf_counter() - t0

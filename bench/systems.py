@@ -22,7 +22,9 @@ HF_SINGLE = "hf-generate"
 HF_STATIC = "hf-static"
 HF_CB = "hf-cb"
 SERVE = "pagedq-serve"
-ALL = (ENGINE, REDIS, HF_SINGLE, HF_STATIC, HF_CB, SERVE)
+VLLM = "vllm"  # a subprocess in the user's own vLLM environment (bench.vllm_peer)
+ALL = (ENGINE, REDIS, HF_SINGLE, HF_STATIC, HF_CB, SERVE, VLLM)
+DEFAULT = tuple(s for s in ALL if s != VLLM)  # vLLM runs when asked for: it needs an install of its own
 LABELS = {
     ENGINE: "pagedq engine",
     REDIS: "pagedq via Redis",
@@ -30,6 +32,7 @@ LABELS = {
     HF_SINGLE: "HF generate, 1 at a time",
     HF_STATIC: "HF static batching",
     HF_CB: "HF generate_batch (CB)",
+    VLLM: "vLLM",
 }
 
 
@@ -87,7 +90,7 @@ def run_engine(engine, wl: Workload, progress: bool = True) -> Run:
         n_out = len(o.token_ids)
         err = None if o.finish_reason == "length" else f"finish_reason {o.finish_reason}"
         outcomes.append(Outcome(r.id, len(r.prompt_ids), r.max_tokens, n_out, first[i] - arrived[i],
-                                tpot(first[i], t_end, n_out), err))
+                                tpot(first[i], t_end, n_out), err, o.num_cached_tokens))
     return Run(ENGINE, wl.name, outcomes, elapsed)
 
 

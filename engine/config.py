@@ -7,6 +7,11 @@ from dataclasses import dataclass
 DTYPES = ("float32", "bfloat16", "float16")
 AUTO = "auto"  # bfloat16 on CUDA and on CPUs with bfloat16 matmul units (AVX-512 BF16, AMX); float32 elsewhere
 BACKENDS = ("auto", "torch", "triton")
+# (max_num_seqs, max_num_batched_tokens) by device. CPU: measured with `pagedq bench` (README, "Batch limits"): a
+# decode step reads every weight once whatever the batch, so more sequences per step amortize that read (mixed:
+# +19% from 64 to 256 sequences); a step is a few hundred ms, so 4,096 tokens keep prefill chunks in step with it.
+# CUDA: vLLM's own defaults for a single GPU, not yet measured here.
+BATCH_LIMITS = {"cpu": (256, 4096), "cuda": (256, 8192)}
 
 
 @dataclass
@@ -18,8 +23,9 @@ class EngineConfig:
     block_size: int = 16
     # None: sized from kv_cache_memory (or, on a GPU, from gpu_memory_utilization).
     num_kv_blocks: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    # None: BATCH_LIMITS for the device.
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     # None: the model's max_position_embeddings.
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -39,6 +45,9 @@ class EngineConfig:
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
         elif self.dtype == AUTO:
             self.dtype = "bfloat16" if self.device.startswith("cuda") or cpu_has_bf16() else "float32"
+        seqs, tokens = BATCH_LIMITS.get(self.device.split(":")[0], BATCH_LIMITS["cpu"])
+        self.max_num_seqs = seqs if self.max_num_seqs is None else self.max_num_seqs
+        self.max_num_batched_tokens = tokens if self.max_num_batched_tokens is None else self.max_num_batched_tokens
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES} or {AUTO!r}, got {self.dtype!r}")
         if self.attention_backend not in BACKENDS:

@@ -219,10 +219,8 @@ class LLMEngine:
             if stopped:
                 reason = "stop"
         lp = None if logprobs is None else self._logprobs(seq.params, token, logprobs)
-        out = RequestOutput(seq.request_id, [token], text, reason is not None, reason, all_ids=ids,
-                            text=detok.text, text_end=detok.sent, num_prompt_tokens=seq.num_prompt_tokens,
-                            num_cached_tokens=seq.num_cached_tokens, logprobs=lp,
-                            detok=detok if detok.lazy else None, pos=pos)
+        out = RequestOutput(seq.request_id, token, reason, ids, seq.num_prompt_tokens, seq.num_cached_tokens, text,
+                            detok.text, detok.sent, lp, detok if detok.lazy else None, pos)
         if reason is not None:
             self.scheduler.finish(seq, reason)
         return out

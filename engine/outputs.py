@@ -19,24 +19,24 @@ class RequestOutput:
                  "num_cached_tokens", "logprobs", "_ids", "_ids_start", "_ids_end", "_new_text", "_text",
                  "_text_end", "_detok", "_pos")
 
-    def __init__(self, request_id: str, new_token_ids: list[int], new_text: str, finished: bool,
-                 finish_reason: str | None = None, *, all_ids: list[int] | None = None, num_prompt_tokens: int = 0,
-                 text: str = "", text_end: int | None = None, num_cached_tokens: int = 0,
+    def __init__(self, request_id: str, token: int, finish_reason: str | None, all_ids: list[int],
+                 num_prompt_tokens: int, num_cached_tokens: int, new_text: str, text: str, text_end: int,
                  logprobs: list[tuple[float, dict[int, float]]] | None = None, detok=None, pos: int = 0) -> None:
+        # Positional and flat: one is built per running request per step, so its cost is per-token cost.
         self.request_id = request_id
-        self.new_token_ids = new_token_ids
-        self.finished = finished
+        self.new_token_ids = [token]
+        self.finished = finish_reason is not None
         self.finish_reason = finish_reason
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = num_cached_tokens
         self.logprobs = logprobs
         # all_ids: prompt + output, only ever appended to; text: an immutable str, so both slices are snapshots.
-        self._ids = all_ids if all_ids is not None else list(new_token_ids)
-        self._ids_start = num_prompt_tokens if all_ids is not None else 0
-        self._ids_end = len(self._ids)
+        self._ids = all_ids
+        self._ids_start = num_prompt_tokens
+        self._ids_end = len(all_ids)
         self._new_text = new_text
         self._text = text
-        self._text_end = len(text) if text_end is None else text_end
+        self._text_end = text_end
         self._detok = detok  # a deferring Detokenizer, and this output's position in it
         self._pos = pos
 

@@ -73,11 +73,11 @@ def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [S, V] float32 -> (token ids [S], logprobs of the raw distribution [S, V] or empty)."""
     if batch.greedy_only:
-        return logits.argmax(dim=-1), torch.empty(0)
+        return _argmax(logits), torch.empty(0)
     want_logprobs = any(p.logprobs is not None for p in batch.params)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else torch.empty(0)
     logits = apply_min_tokens(apply_penalties(logits, batch), batch)
-    greedy = logits.argmax(dim=-1)
+    greedy = _argmax(logits)
     random_rows = [i for i, p in enumerate(batch.params) if p.temperature > 0]
     if not random_rows:
         return greedy, raw_logprobs
@@ -97,9 +97,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     for j, i in enumerate(random_rows):
         gen.manual_seed(_mix(batch.seeds[i], batch.steps[i]))
         noise[j].exponential_(generator=gen)
-    chosen = (probs / noise).argmax(dim=-1)
+    chosen = _argmax(probs / noise)
     greedy[rows] = chosen
     return greedy, raw_logprobs
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    # The first maximum, as argmax gives, but max's CPU kernel is about 1.5x faster over a large vocabulary.
+    return logits.max(dim=-1).indices
 
 
 def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

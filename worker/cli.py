@@ -47,11 +47,13 @@ def main() -> None:
 @click.option("--model", envvar="PAGEDQ_MODEL", default="smollm2-135m-instruct",
               help="Alias, local HF folder, .gguf file or hub id")
 @click.option("--device", envvar="PAGEDQ_DEVICE", default="cpu", help="cpu or cuda[:N]")
-@click.option("--dtype", envvar="PAGEDQ_DTYPE", default=None, help="float32 | bfloat16 | float16; default: "
-              "float32 on cpu, bfloat16 on cuda")
-@click.option("--max-num-seqs", envvar="PAGEDQ_MAX_NUM_SEQS", type=int, default=64, help="Sequences in one batch")
-@click.option("--max-num-batched-tokens", envvar="PAGEDQ_MAX_NUM_BATCHED_TOKENS", type=int, default=2048,
-              help="Tokens (prefill chunks and decodes) in one engine step")
+@click.option("--dtype", envvar="PAGEDQ_DTYPE", default=None,
+              help="float32 | bfloat16 | float16 | auto (bfloat16 on cuda and on CPUs with bfloat16 units); "
+                   "default: float32 on cpu, bfloat16 on cuda")
+@click.option("--max-num-seqs", envvar="PAGEDQ_MAX_NUM_SEQS", type=int, default=None,
+              help="Sequences in one batch; default by device: 256")
+@click.option("--max-num-batched-tokens", envvar="PAGEDQ_MAX_NUM_BATCHED_TOKENS", type=int, default=None,
+              help="Tokens (prefill chunks and decodes) in one engine step; default by device: 4096 on cpu, 8192 on cuda")
 @click.option("--max-model-len", envvar="PAGEDQ_MAX_MODEL_LEN", type=int, default=None,
               help="Longest prompt + output in tokens; default: the model's, capped by the KV cache")
 @click.option("--num-kv-blocks", envvar="PAGEDQ_NUM_KV_BLOCKS", type=int, default=None,
@@ -90,7 +92,6 @@ def worker(redis_url, queue, model, device, dtype, max_num_seqs, max_num_batched
     from engine import EngineConfig, LLMEngine
     from worker.worker import Worker, WorkerConfig
 
-    dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
     engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
                                     max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                     num_kv_blocks=num_kv_blocks, block_size=block_size))
