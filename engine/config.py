@@ -35,7 +35,7 @@ class EngineConfig:
     # CPU: bytes of KV cache when num_kv_blocks is None. None: a quarter of free memory, at most 2 GiB.
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.85
-    # CPU: linear weights reordered once at load for oneDNN (bfloat16) / MKL (float32); same numbers, faster.
+    # CPU, bfloat16: linear weights reordered once at load into oneDNN's layout; same numbers, faster.
     prepack_weights: bool = True
     cache_dir: str | None = None
     seed: int = 0

@@ -1,9 +1,11 @@
-"""CPU linear layers with their weights reordered once, at load, into the layout the matmul library computes in.
+"""bfloat16 CPU linear layers with their weights reordered once, at load, into oneDNN's own layout.
 
 A plain bfloat16 `F.linear` on a CPU with AMX or AVX-512 BF16 has oneDNN reorder the weight on every call: for a
 decode step, which reads each weight once, that doubles the memory traffic of the biggest part of the forward.
-Packed once, bfloat16 goes through oneDNN's prepacked linear and float32 through MKL's (the ops torch.compile's
-CPU freezing uses). Both give the same numbers as `F.linear`; a layer whose check fails keeps the plain path.
+Packed once, it goes through oneDNN's prepacked linear (an op torch.compile's CPU freezing uses), with results
+equal to `F.linear`'s; where the check fails the plain path stays. float32 is left alone: `F.linear` runs it
+through MKL, oneDNN's float32 sums in another order (so greedy parity with a float32 reference would go), and
+MKL's own packed linear pays off only at the exact batch size it was packed for.
 """
 
 from __future__ import annotations
@@ -18,27 +20,19 @@ log = logging.getLogger("pagedq.engine")
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, packed: torch.Tensor, batch_hint: int) -> None:
+    def __init__(self, linear: nn.Linear, packed: torch.Tensor) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = packed
         self.bias = linear.bias
-        self.batch_hint = batch_hint
-        self.mkl_weight = linear.weight if linear.weight.dtype == torch.float32 else None  # MKL's op wants both
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mkl_weight is not None:
-            return torch.ops.mkl._mkl_linear(x, self.packed, self.mkl_weight, self.bias, self.batch_hint)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 def _pack(linear: nn.Linear, batch_hint: int) -> PackedLinear:
     w = linear.weight.detach()
-    if w.dtype == torch.bfloat16:
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
-    else:
-        packed = torch.ops.mkl._mkl_reorder_linear_weight(w, batch_hint)
-    layer = PackedLinear(linear, packed, batch_hint)
+    layer = PackedLinear(linear, torch.ops.mkldnn._reorder_linear_weight(w, batch_hint))
     x = torch.randn(3, linear.in_features, dtype=w.dtype)
     if not torch.equal(layer(x), F.linear(x, w, linear.bias)):
         raise ValueError("packed linear disagrees with F.linear")
@@ -46,10 +40,10 @@ def _pack(linear: nn.Linear, batch_hint: int) -> PackedLinear:
 
 
 def pack_linears(model: nn.Module, batch_hint: int) -> int:
-    """Swap every bfloat16 / float32 nn.Linear of a CPU model for a PackedLinear -> how many were swapped.
+    """Swap every bfloat16 nn.Linear of a CPU model for a PackedLinear -> how many were swapped.
     Where this torch build lacks the ops (or they disagree), the model is left as it was."""
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if type(child) is nn.Linear and child.weight.dtype in (torch.bfloat16, torch.float32)
+               if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16
                and child.weight.device.type == "cpu"]
     try:
         packed = [(parent, name, _pack(child, batch_hint)) for parent, name, child in targets]
