@@ -156,7 +156,8 @@ def run_bench(
             # a manager's start) stay out of the figures, and no prefix cache is warm with timed prompts.
             warm = _warm_set(w, tokenizer, quick, seed)
             for s in systems:
-                if s != VLLM and (s != REDIS or redis is not None) and (s != SERVE or serve is not None):
+                path_up = (s != REDIS or redis is not None) and (s != SERVE or serve is not None)
+                if path_up and s != VLLM:  # vLLM warms up in its own process
                     _one(s, warm, engine, hf, redis, redis_error, 1, max_num_seqs, max_num_batched_tokens, False,
                          serve)
             if wl.online:

