@@ -38,8 +38,9 @@ def _greedy(engine, n=12):
     return [o.token_ids for o in outs]
 
 
-def test_prepacked_bfloat16_gives_the_same_tokens(tiny_model):
-    path = tiny_model("llama")
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])  # qwen2: biased qkv; qwen3: q/k norms
+def test_prepacked_bfloat16_gives_the_same_tokens(tiny_model, arch):
+    path = tiny_model(arch)
     packed = LLMEngine(EngineConfig(model=path, dtype="bfloat16", num_kv_blocks=64))
     plain = LLMEngine(EngineConfig(model=path, dtype="bfloat16", num_kv_blocks=64, prepack_weights=False))
     layers = [m for m in packed.runner.model.modules() if isinstance(m, PackedLinear)]
