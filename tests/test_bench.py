@@ -188,9 +188,12 @@ def test_vllm_missing_is_reported_not_fatal(tiny, tmp_path, monkeypatch):
 
 
 def test_mfu_leaves_out_prompt_tokens_the_prefix_cache_served():
+    from bench.mfu import model_flops, run_flops
     from bench.result import Outcome, Run
 
     run = Run("pagedq", "shared-prefix", [Outcome("a", 500, 10, 10, cached_tokens=400),
                                           Outcome("b", 500, 10, 10)], elapsed=1.0)
     assert run.prompt_tokens == 1000 and run.computed_prompt_tokens == 600
     assert run.summary()["cached_prompt_tokens"] == 400
+    params = {"body": 1000, "lm_head": 10}
+    assert run_flops(params, run) == model_flops(params, 600, 20)
