@@ -41,7 +41,7 @@ def test_submit_status_cancel_result_without_worker(redis_url, queue):
 
 
 def test_submit_with_worker(redis_url, queue, pq_tiny_model, start_worker):
-    start_worker(queue, pq_tiny_model, "--max-num-seqs", "4", "--num-kv-blocks", "64", "--max-model-len", "256")
+    start_worker(queue, pq_tiny_model, "--max-num-seqs", "4", "--num-kv-blocks", "256", "--max-model-len", "2048")
     res = run(redis_url, queue, "submit", "Hello", "--max-tokens", "5", "--temperature", "0", "--json",
               "--timeout", "120")
     assert res.exit_code == 0, res.output
@@ -52,11 +52,12 @@ def test_submit_with_worker(redis_url, queue, pq_tiny_model, start_worker):
     info = json.loads(run(redis_url, queue, "status", "--json").output)
     assert len(info["consumers"]) == 1 and info["pending"] == 0
 
-    # Cancelled while it runs: `result` shows the text made before the cancel, and says it was cancelled.
+    # Cancelled while it runs: `result` shows the text made before the cancel, and says it was cancelled. The
+    # model's whole context, so that the job outlasts the two commands before the cancel on a loaded machine.
     from producer import Client
 
     with Client(redis_url, queue=queue) as c:
-        job = c.submit(prompt="Count", max_tokens=200, temperature=0, ignore_eos=True)
+        job = c.submit(prompt="Count", max_tokens=2000, temperature=0, ignore_eos=True)
         assert next(iter(job.stream(timeout=120))).type == "token"
     res = run(redis_url, queue, "cancel", job.id, "--queue", "elsewhere")  # the worker's queue is registered
     assert res.exit_code == 5 and f"pass --queue {queue}" in res.output, res.output

@@ -14,7 +14,7 @@ def inproc(redis_url, queue, pq_tiny_model):
     from engine import EngineConfig, LLMEngine
     from worker.worker import Worker, WorkerConfig
 
-    eng = LLMEngine(EngineConfig(model=pq_tiny_model, max_num_seqs=4, num_kv_blocks=128, max_model_len=512))
+    eng = LLMEngine(EngineConfig(model=pq_tiny_model, max_num_seqs=4, num_kv_blocks=512, max_model_len=2048))
     w = Worker(eng, WorkerConfig(redis_url=redis_url, queue=queue, lease_ms=2000, block_ms=200))
     t = threading.Thread(target=w.run, daemon=True)
     t.start()
@@ -33,7 +33,7 @@ def wait_tokens(rds, c, job_id, n: int = 1) -> None:
 def test_cancel_queued_and_running(redis_url, queue, rds, inproc):
     c = Client(redis_url, queue=queue)
     # Four long jobs fill the batch; the fifth waits in Redis and is cancelled there.
-    running = c.submit_many([{"id": f"r{i}", "prompt": f"run {i}", "max_tokens": 400, "ignore_eos": True}
+    running = c.submit_many([{"id": f"r{i}", "prompt": f"run {i}", "max_tokens": 2000, "ignore_eos": True}
                              for i in range(4)])
     queued = c.submit(id="q", prompt="never runs", max_tokens=4)
     wait_tokens(rds, c, "r0", 2)
@@ -42,7 +42,7 @@ def test_cancel_queued_and_running(redis_url, queue, rds, inproc):
         assert j.cancel() in ("cancelling", "cancelled")
     for j in running:
         res = j.result(timeout=30)
-        assert res.status == "cancelled" and res.finish_reason == "cancelled" and len(res.token_ids) < 400
+        assert res.status == "cancelled" and res.finish_reason == "cancelled" and len(res.token_ids) < 2000
         evs = list(j.stream(timeout=5))
         assert evs[-1].type == "cancelled" and [t for e in evs[:-1] for t in e.token_ids] == res.token_ids
     res = queued.result(timeout=5)

@@ -142,9 +142,11 @@ def _kv(metrics_url: str) -> tuple[float, float]:
 
 def test_disconnect_cancels_the_job(redis_url, queue, pq_tiny_model, start_worker, start_serve):
     port = free_port()
-    start_worker(queue, pq_tiny_model, *WORKER_FLAGS, "--metrics-port", str(port))
+    # The model's whole context: the job must outlast the disconnect's way to the worker on a loaded machine.
+    start_worker(queue, pq_tiny_model, "--max-num-seqs", "8", "--num-kv-blocks", "256", "--max-model-len", "2048",
+                 "--served-model-name", "tiny", "--metrics-port", str(port))
     base = start_serve(queue, "--model", "tiny")
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "Count"}], "max_tokens": 400,
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Count"}], "max_tokens": 2000,
             "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
@@ -152,9 +154,9 @@ def test_disconnect_cancels_the_job(redis_url, queue, pq_tiny_model, start_worke
         wait_for(lambda: next(lines).startswith("data: {"), 120, "a token chunk")
     # The connection is closed: the server cancels the job, the worker stops it and frees its blocks.
     with Client(redis_url, queue=queue) as c:
-        wait_for(lambda: c.status(job_id(first["id"])) == "cancelled", 120, "the job to be cancelled")
-        res = c.result(job_id(first["id"]), timeout=10)
-        assert res.finish_reason == "cancelled" and 1 <= len(res.token_ids) < 400
+        res = c.result(job_id(first["id"]), timeout=120)
+        assert (res.status, res.finish_reason) == ("cancelled", "cancelled"), (res.status, len(res.token_ids))
+        assert 1 <= len(res.token_ids) < 2000
     free_total = wait_for(lambda: (lambda f, t: t > 0 and f == t and (f, t))(*_kv(f"http://127.0.0.1:{port}")),
                           120, "the KV blocks to come back")
     assert free_total[0] == free_total[1]
