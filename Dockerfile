@@ -4,6 +4,8 @@ FROM python:3.11-slim
 ARG TORCH_SPEC="torch==2.13.0"
 ENV PYTHONUNBUFFERED=1 PAGEDQ_CACHE=/cache
 WORKDIR /app
+# g++: the CPU path compiles its decode attention on first start (into $PAGEDQ_CACHE/kernels, for the host's CPU).
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN pip install --no-cache-dir "$TORCH_SPEC"
 COPY pyproject.toml README.md ./
 COPY engine engine

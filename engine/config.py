@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
 AUTO = "auto"  # bfloat16 on CUDA and on CPUs with bfloat16 matmul units (AVX-512 BF16, AMX); float32 elsewhere
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "cpu", "triton")
 # (max_num_seqs, max_num_batched_tokens) by device. CPU: measured with `pagedq bench` (README, "vLLM as a peer"): a
 # decode step reads every weight once whatever the batch, so more sequences per step amortize that read (mixed:
 # +19% from 64 to 256 sequences); a step is a few hundred ms, so 4,096 tokens keep prefill chunks in step with it.
@@ -29,6 +29,8 @@ class EngineConfig:
     # None: the model's max_position_embeddings.
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    # "auto": Triton on CUDA; on a CPU the C++ decode attention ("cpu", compiled on first use), or "torch" where
+    # there is no compiler.
     attention_backend: str = "auto"
     # True: never replay CUDA graphs for decode steps (they need the Triton backend on CUDA).
     enforce_eager: bool = False

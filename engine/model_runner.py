@@ -11,6 +11,7 @@ from engine import step_inputs
 from engine.block_tables import BlockTables
 from engine.config import EngineConfig
 from engine.decode_buffers import DecodeBuffers
+from engine.loader import cache_root
 from engine.models.llama import SUPPORTED_ARCHS, AttnContext, LlamaForCausalLM
 from engine.packed_linear import pack_linears
 from engine.sampler import SamplingBatch, sample
@@ -55,7 +56,7 @@ class ModelRunner:
         if config.max_model_len is not None and config.max_model_len > model_max:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit of {model_max} tokens")
         self.max_model_len = config.max_model_len or model_max
-        self.ops = get_backend(config.attention_backend, config.device)
+        self.ops = get_backend(config.attention_backend, config.device, cache_root(config.cache_dir) / "kernels")
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):

@@ -95,18 +95,26 @@ def paged_attention(
 
     The i-th new token of sequence b sits at position seq_lens[b] - q_len_b + i and sees positions up to its own.
     """
-    num_tokens, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
     out = torch.empty_like(q)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
-
+    starts, lens, q_lens = split(query_start_loc, seq_lens)
     decode = [b for b, n in enumerate(q_lens) if n == 1]
     if decode:
         _decode(q, k_cache, v_cache, decode, starts, lens, block_table, scale, out)
+    prefill(q, k_cache, v_cache, starts, lens, q_lens, block_table, scale, out)
+    return out
 
+
+def split(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
+    """On the host: each sequence's first query row, its length in the cache and its number of new tokens."""
+    starts = query_start_loc.tolist()
+    return starts, seq_lens.tolist(), [b - a for a, b in zip(starts[:-1], starts[1:])]
+
+
+def prefill(q, k_cache, v_cache, starts, lens, q_lens, block_table, scale, out) -> None:
+    """The sequences with more than one new token, each on its own, causal within its new tokens."""
+    num_heads, head_dim = q.shape[1:]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
     for b, q_len in enumerate(q_lens):
         if q_len <= 1:
             continue
@@ -126,4 +134,3 @@ def paged_attention(
             mask = torch.arange(total, device=q.device)[None, :] <= pos[:, None]
             o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
         out[start : start + q_len] = o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
-    return out

@@ -1,0 +1,182 @@
+// Decode attention on the CPU that reads the paged KV cache in place: one work item per (sequence, KV head),
+// whose query heads share every key and value it loads. Built on first use by kernels/cpu_ops.py, for the CPU
+// it runs on (-march=native), and registered as torch.ops.pagedq.decode_attention: an opaque op to the compiler.
+//
+// Layouts (kernels/__init__.py): q, out [T, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D];
+// block_table [B, max_blocks] int32; seq_lens [B] int32. rows[i] is the token row of the i-th decode query and
+// seqs[i] its sequence (its block table row and length).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <iterator>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+struct Shape {
+  int64_t q_heads, kv_heads, head_dim, block_size, table_stride;
+  float scale;
+};
+
+// A row of keys or values as float32: T's row converted once, then used by every query of the group.
+template <typename T, int64_t D>
+inline const float* as_floats(const T* row, float* buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    return row;
+  } else {
+    for (int64_t d = 0; d < D; ++d) buf[d] = static_cast<float>(row[d]);
+    return buf;
+  }
+}
+
+template <typename T>
+inline const T* token_row(const T* head, const int32_t* table, int64_t t, const Shape& s) {
+  const int64_t slot = static_cast<int64_t>(table[t / s.block_size]) * s.block_size + t % s.block_size;
+  return head + slot * s.kv_heads * s.head_dim;
+}
+
+// Scores of `group` queries (float32, pre-scaled) against keys [0, len) of one KV head; each key is loaded once.
+// D is the head size when the compiler knows it (the loops unroll and vectorize), else 0 and s.head_dim.
+template <typename T, int64_t D>
+void scores(const float* qf, const T* k_head, const int32_t* table, int64_t len, const Shape& s, int64_t group,
+            float* out) {
+  float buf[D];
+  for (int64_t t = 0; t < len; ++t) {
+    const float* k = as_floats<T, D>(token_row(k_head, table, t, s), buf);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = qf + g * D;
+      float acc = 0.f;
+      for (int64_t d = 0; d < D; ++d) acc += qg[d] * k[d];
+      out[g * len + t] = acc;
+    }
+  }
+}
+
+// Softmax of each query's row in place.
+inline void softmax_rows(float* p, int64_t rows, int64_t len) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* r = p + g * len;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < len; ++t) m = std::max(m, r[t]);
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) {
+      r[t] = std::exp(r[t] - m);
+      sum += r[t];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < len; ++t) r[t] *= inv;
+  }
+}
+
+// acc[g] = sum_t p[g, t] * v[t] for each query of the group; each value row is loaded once.
+template <typename T, int64_t D>
+void weighted_values(const float* p, const T* v_head, const int32_t* table, int64_t len, const Shape& s,
+                     int64_t group, float* acc) {
+  float buf[D];
+  std::fill(acc, acc + group * D, 0.f);
+  for (int64_t t = 0; t < len; ++t) {
+    const float* v = as_floats<T, D>(token_row(v_head, table, t, s), buf);
+    for (int64_t g = 0; g < group; ++g) {
+      const float w = p[g * len + t];
+      float* a = acc + g * D;
+      for (int64_t d = 0; d < D; ++d) a[d] += w * v[d];
+    }
+  }
+}
+
+// One (sequence, KV head): its `group` query heads attend to the sequence's keys and values.
+template <typename T, int64_t D>
+void attend(const T* q_row, const T* k_head, const T* v_head, const int32_t* table, int64_t len, const Shape& s,
+            int64_t group, std::vector<float>& work, T* o_row) {
+  work.resize(2 * group * D + group * len);
+  float *qf = work.data(), *acc = qf + group * D, *p = acc + group * D;
+  for (int64_t j = 0; j < group * D; ++j) qf[j] = static_cast<float>(q_row[j]) * s.scale;
+  scores<T, D>(qf, k_head, table, len, s, group, p);
+  softmax_rows(p, group, len);
+  weighted_values<T, D>(p, v_head, table, len, s, group, acc);
+  for (int64_t j = 0; j < group * D; ++j) o_row[j] = static_cast<T>(acc[j]);
+}
+
+// The head sizes the kernel is built for: the compiler knows D, so the loops over it unroll and vectorize.
+constexpr int64_t kHeadSizes[] = {16, 32, 64, 80, 96, 128, 256};
+
+template <typename T, size_t I = 0>
+void attend_any(const T* q_row, const T* k_head, const T* v_head, const int32_t* table, int64_t len,
+                const Shape& s, int64_t group, std::vector<float>& work, T* o_row) {
+  if constexpr (I < std::size(kHeadSizes)) {
+    if (s.head_dim == kHeadSizes[I]) {
+      attend<T, kHeadSizes[I]>(q_row, k_head, v_head, table, len, s, group, work, o_row);
+    } else {
+      attend_any<T, I + 1>(q_row, k_head, v_head, table, len, s, group, work, o_row);
+    }
+  }
+}
+
+std::vector<int64_t> head_sizes() { return {std::begin(kHeadSizes), std::end(kHeadSizes)}; }
+
+template <typename T>
+void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* rows,
+            const int64_t* seqs, const int32_t* lens, const int32_t* tables, const Shape& s, int64_t n,
+            at::Tensor& out) {
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t group = s.q_heads / s.kv_heads;
+  at::parallel_for(0, n * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> work;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = item / s.kv_heads, h = item % s.kv_heads;
+      const int64_t len = lens[seqs[i]];
+      const int32_t* table = tables + seqs[i] * s.table_stride;
+      const int64_t row = (rows[i] * s.q_heads + h * group) * s.head_dim;
+      if (len == 0) {  // a padding row of a padded batch sees no key: zeros
+        std::fill(op + row, op + row + group * s.head_dim, T(0));
+        continue;
+      }
+      const T *k_head = kp + h * s.head_dim, *v_head = vp + h * s.head_dim;
+      attend_any<T>(qp + row, kp + h * s.head_dim, vp + h * s.head_dim, table, len, s, group, work, op + row);
+    }
+  });
+}
+
+void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& rows, const at::Tensor& seqs, const at::Tensor& seq_lens,
+                      const at::Tensor& block_table, double scale, at::Tensor out) {
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "decode_attention: q, out and the caches must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "decode_attention: q, out and the caches must share a dtype");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && seqs.scalar_type() == at::kLong, "rows and seqs are int64");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && block_table.scalar_type() == at::kInt,
+              "seq_lens and block_table are int32");
+  TORCH_CHECK(block_table.is_contiguous() && seq_lens.is_contiguous() && rows.is_contiguous() && seqs.is_contiguous(),
+              "decode_attention: the index tensors must be contiguous");
+  const Shape s{q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_table.size(1),
+                static_cast<float>(scale)};
+  TORCH_CHECK(s.q_heads % s.kv_heads == 0 && k_cache.size(3) == s.head_dim, "decode_attention: head shapes");
+  const auto sizes = head_sizes();
+  TORCH_CHECK(std::find(sizes.begin(), sizes.end(), s.head_dim) != sizes.end(), "decode_attention: head size ",
+              s.head_dim, " is not built");
+  const int64_t n = rows.numel();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
+    decode<scalar_t>(q, k_cache, v_cache, rows.data_ptr<int64_t>(), seqs.data_ptr<int64_t>(),
+                     seq_lens.data_ptr<int32_t>(), block_table.data_ptr<int32_t>(), s, n, out);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedq, m) {
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor rows, Tensor seqs, Tensor seq_lens, "
+        "Tensor block_table, float scale, Tensor(a!) out) -> ()");
+  m.def("head_sizes() -> int[]", &head_sizes);
+}
+
+TORCH_LIBRARY_IMPL(pagedq, CPU, m) { m.impl("decode_attention", &decode_attention); }

@@ -1,0 +1,112 @@
+"""The CPU path with a C++ decode attention (kernels/cpu_attention.cpp) that reads the KV blocks in place, where
+the torch path gathers each group's blocks into a copy, zeroes its padding and attends over the copy. Prefill
+and storing keys and values are the torch ops.
+
+The kernel is compiled on first use with the machine's C++ compiler for the CPU it runs on, once per source, CPU,
+compiler flags and torch version (a folder under the cache), and loaded as torch.ops.pagedq.decode_attention.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import sysconfig
+import threading
+from pathlib import Path
+
+import torch
+
+from kernels import torch_ops
+
+log = logging.getLogger("pagedq.kernels")
+
+GRAPH_SAFE = False
+SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+# -march=native: the build is for this CPU (its flags are in the build key). Reassociating float sums lets the
+# compiler vectorize the dot products; every sum is still accumulated in float32.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+          "-fno-signed-zeros", "-ffp-contract=fast"]
+
+store_kv = torch_ops.store_kv
+_lock = threading.Lock()
+_state: dict[str, str | None] = {}  # build folder -> None when loaded, else why the kernel is not available
+
+
+def _cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
+
+
+def build_key() -> str:
+    parts = [SOURCE.read_text(), " ".join(CFLAGS), _cpu_flags(), torch.__version__]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def load(build_root: Path) -> str | None:
+    """Compile (or reuse) and load the kernel: None once it is usable, else why not (no compiler, a failed build)."""
+    folder = build_root / f"cpu-attention-{build_key()}"
+    with _lock:
+        if str(folder) not in _state:
+            _state[str(folder)] = _build(folder)
+        return _state[str(folder)]
+
+
+def _build(folder: Path) -> str | None:
+    if hasattr(torch.ops.pagedq, "decode_attention"):  # another build folder already registered it
+        return None
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r}) on PATH"
+    # torch builds with ninja: the pip package's, next to this Python, when the environment is not activated.
+    scripts = sysconfig.get_path("scripts")
+    if shutil.which("ninja") is None and shutil.which("ninja", path=scripts):
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+    if shutil.which("ninja") is None:
+        return "no ninja on PATH (pip install ninja)"
+    from torch.utils import cpp_extension
+
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        cpp_extension.load(name=f"pagedq_cpu_{folder.name.rsplit('-', 1)[1]}", sources=[str(SOURCE)],
+                           extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], build_directory=str(folder),
+                           is_python_module=False, verbose=False)
+    except Exception as e:  # a compiler error, a missing header: the torch path still serves
+        return f"the C++ decode attention did not build: {str(e).strip().splitlines()[-1] if str(e) else e!r}"
+    return None
+
+
+@functools.cache
+def head_sizes() -> frozenset[int]:
+    """The head sizes the kernel is built for; others decode in torch."""
+    return frozenset(torch.ops.pagedq.head_sizes())
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """kernels.torch_ops.paged_attention's contract; the one-token queries go to the C++ kernel."""
+    out = torch.empty_like(q)
+    starts, lens, q_lens = torch_ops.split(query_start_loc, seq_lens)
+    decode = [b for b, n in enumerate(q_lens) if n == 1]
+    if decode and q.shape[2] not in head_sizes():
+        torch_ops._decode(q, k_cache, v_cache, decode, starts, lens, block_table, scale, out)
+    elif decode:
+        seqs = torch.tensor(decode, dtype=torch.int64)
+        rows = query_start_loc.to(torch.int64).index_select(0, seqs)
+        torch.ops.pagedq.decode_attention(q.contiguous(), k_cache, v_cache, rows, seqs,
+                                          seq_lens.to(torch.int32).contiguous(),
+                                          block_table.to(torch.int32).contiguous(), scale, out)
+    torch_ops.prefill(q, k_cache, v_cache, starts, lens, q_lens, block_table, scale, out)
+    return out
