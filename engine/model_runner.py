@@ -7,7 +7,7 @@ import logging
 import torch
 from transformers import AutoConfig
 
-from engine import step_inputs
+from engine import host_memory, step_inputs
 from engine.block_tables import BlockTables
 from engine.config import EngineConfig
 from engine.decode_buffers import DecodeBuffers
@@ -119,7 +119,10 @@ class ModelRunner:
         attn = self.model.model.layers[0].self_attn
         layers = self.model.model.layers
         shape = (2, len(layers), self.num_blocks, self.config.block_size, attn.num_kv_heads, attn.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.device.type == "cpu":
+            self.kv_cache = host_memory.zeros(shape, self.dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(layers):
             layer.self_attn.k_cache = self.kv_cache[0, i]
             layer.self_attn.v_cache = self.kv_cache[1, i]

@@ -89,3 +89,17 @@ def test_without_a_compiler_auto_falls_back_and_cpu_says_why(tmp_path):
     got = json.loads(out.stdout)
     assert got["auto_is_torch"] and "no C++ compiler ('no-such-c++')" in out.stderr
     assert "attention_backend='cpu' cannot run here" in got["explicit"] and "no-such-c++" in got["explicit"]
+
+
+def test_host_kv_cache_is_zeroed_and_outlives_its_mapping():
+    import gc
+
+    from engine import host_memory
+
+    cache = host_memory.zeros((2, 3, 5, 16, 2, 8), torch.bfloat16)
+    assert cache.shape == (2, 3, 5, 16, 2, 8) and cache.dtype == torch.bfloat16 and not cache.any()
+    layer = cache[1, 2]  # a view, as each layer holds, is all that is left of it
+    del cache
+    gc.collect()
+    layer.fill_(1)
+    assert layer.sum().item() == 5 * 16 * 2 * 8
