@@ -67,6 +67,8 @@ class ModelRunner:
         self.model.cos = self.model.cos.float()
         self.model.sin = self.model.sin.float()
         self.model.eval()
+        if getattr(self.ops, "FAST_LAYERS", False):
+            self.model.use_fast_layers(self.ops)
         if self.device.type == "cpu" and config.prepack_weights:
             log.info("prepacked %d linear layers", pack_linears(self.model, config.max_num_seqs))
         self.num_blocks = self._size_cache()

@@ -10,6 +10,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_math.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -94,25 +96,6 @@ void scores(const float* qf, const T* k_head, const int32_t* table, int64_t len,
   });
 }
 
-// exp(x) for x <= 0 as 2^n * 2^f, 2^f by Cephes' exp2f polynomial on [-0.5, 0.5]: relative error about 2e-7,
-// in plain float and integer arithmetic that the compiler vectorizes (the C library's expf is a call per value).
-inline float exp_nonpositive(float x) {
-  const float y = std::max(x, -87.f) * 1.44269504088896341f;  // from -87 down, 2^n would leave the normal range
-  const float n = std::floor(y + 0.5f);
-  const float f = y - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return p * two_n;
-}
-
 // Softmax of each query's row in place.
 inline void softmax_rows(float* p, int64_t rows, int64_t len) {
   for (int64_t g = 0; g < rows; ++g) {
@@ -121,7 +104,7 @@ inline void softmax_rows(float* p, int64_t rows, int64_t len) {
     for (int64_t t = 0; t < len; ++t) m = std::max(m, r[t]);
     float sum = 0.f;
     for (int64_t t = 0; t < len; ++t) {
-      r[t] = exp_nonpositive(r[t] - m);
+      r[t] = pagedq::fast_exp(r[t] - m);
       sum += r[t];
     }
     const float inv = 1.f / sum;

@@ -24,7 +24,9 @@ from kernels import torch_ops
 log = logging.getLogger("pagedq.kernels")
 
 GRAPH_SAFE = False
-SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+FAST_LAYERS = True  # rms_norm, rotary, silu_and_mul below: the model uses them (LlamaForCausalLM.use_fast_layers)
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_layers.cpp")]
+HEADERS = [Path(__file__).with_name("cpu_math.h")]
 # -march=native: the build is for this CPU (its flags are in the build key). Reassociating float sums lets the
 # compiler vectorize the dot products; every sum is still accumulated in float32.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
@@ -44,7 +46,7 @@ def _cpu_flags() -> str:
 
 
 def build_key() -> str:
-    parts = [SOURCE.read_text(), " ".join(CFLAGS), _cpu_flags(), torch.__version__]
+    parts = [p.read_text() for p in SOURCES + HEADERS] + [" ".join(CFLAGS), _cpu_flags(), torch.__version__]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -73,7 +75,7 @@ def _build(folder: Path) -> str | None:
 
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        cpp_extension.load(name=f"pagedq_cpu_{folder.name.rsplit('-', 1)[1]}", sources=[str(SOURCE)],
+        cpp_extension.load(name=f"pagedq_cpu_{folder.name.rsplit('-', 1)[1]}", sources=[str(p) for p in SOURCES],
                            extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], build_directory=str(folder),
                            is_python_module=False, verbose=False)
     except Exception as e:  # a compiler error, a missing header: the torch path still serves
@@ -109,4 +111,28 @@ def paged_attention(
                                           seq_lens.to(torch.int32).contiguous(),
                                           block_table.to(torch.int32).contiguous(), scale, out)
     torch_ops.prefill(q, k_cache, v_cache, starts, lens, q_lens, block_table, scale, out)
+    return out
+
+
+# The elementwise layers (kernels/cpu_layers.cpp), for LlamaForCausalLM.use_fast_layers.
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x) over the last dimension; x of any shape (rows of weight's size)."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.empty(rows.shape, dtype=x.dtype)
+    torch.ops.pagedq.rms_norm(rows, weight, eps, out)
+    return out.view(x.shape)
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated in place (rotate-half layout) at int64 positions [T] by float32 tables [P, D]."""
+    torch.ops.pagedq.rotary(x, positions, cos, sin)
+    return x
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [N, 2I], gate first."""
+    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
+    torch.ops.pagedq.silu_and_mul(gate_up, out)
     return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,8 +60,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fast = None  # see LlamaForCausalLM.use_fast_layers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast is not None:
+            return self.fast.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -72,6 +76,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+Rotary = Callable[[torch.Tensor], torch.Tensor]  # x [T, H, D] -> x rotated at each token's position
 
 
 class Attention(nn.Module):
@@ -94,14 +101,14 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: Rotary, ctx: AttnContext) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        q, k = rotary(q), rotary(k)
         ctx.ops.store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         o = ctx.ops.paged_attention(
             q, self.k_cache, self.v_cache, ctx.query_start_loc, ctx.seq_lens, ctx.block_table, self.scale
@@ -119,9 +126,13 @@ class MLP(nn.Module):
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+        self.fast = None  # see LlamaForCausalLM.use_fast_layers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fast is not None:
+            return self.down_proj(self.fast.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -133,8 +144,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx)
+    def forward(self, h: torch.Tensor, rotary: Rotary, ctx: AttnContext) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rotary, ctx)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -168,15 +179,33 @@ class LlamaForCausalLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self.fast = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         """Hidden states [T, hidden] of a flat token batch."""
         h = self.model.embed_tokens(input_ids)
-        cos = self.cos[positions].to(h.dtype)[:, None, :]
-        sin = self.sin[positions].to(h.dtype)[:, None, :]
+        if self.fast is not None:
+            fast, positions = self.fast, positions.long()
+
+            def rotary(x: torch.Tensor) -> torch.Tensor:
+                return fast.rotary(x, positions, self.cos, self.sin)
+        else:
+            cos = self.cos[positions].to(h.dtype)[:, None, :]
+            sin = self.sin[positions].to(h.dtype)[:, None, :]
+
+            def rotary(x: torch.Tensor) -> torch.Tensor:
+                return rotate(x, cos, sin)
         for layer in self.model.layers:
-            h = layer(h, cos, sin, ctx)
+            h = layer(h, rotary, ctx)
         return self.model.norm(h)
+
+    def use_fast_layers(self, fast) -> None:
+        """RMSNorm, rotary and SiLU-and-multiply from `fast` (kernels.cpu_ops: one C++ pass each, the same
+        roundings) instead of several torch ops each; None: the torch ops."""
+        self.fast = fast
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, MLP)):
+                module.fast = fast
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

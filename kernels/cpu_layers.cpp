@@ -1,0 +1,127 @@
+// The elementwise parts of a decoder layer on the CPU, each one pass over its rows where torch makes several
+// (RMSNorm: cast, square, mean, rsqrt, two products; rotary: a negated half, a concatenation, three products and
+// a sum; SiLU and the product with the up projection). Each rounds where the torch code it replaces rounds, so
+// float32 models give the same numbers up to the order of a sum. Built with cpu_attention.cpp
+// (kernels/cpu_ops.py); the ops are torch.ops.pagedq.*.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "cpu_math.h"
+
+#include <cmath>
+
+// Products and sums rounded one by one, as torch's separate ops round them: no fused multiply-adds here.
+#pragma GCC optimize("fp-contract=off")
+
+namespace {
+
+// Rows of a [N, H] tensor whose last dimension is contiguous: the row stride is stride(0).
+template <typename T>
+void norm_rows(const T* x, int64_t x_stride, const T* w, float eps, int64_t n, int64_t h, T* out,
+               int64_t out_stride) {
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * x_stride;
+      T* o = out + r * out_stride;
+      float sq = 0.f;
+      for (int64_t i = 0; i < h; ++i) sq += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
+      const float inv = 1.f / std::sqrt(sq / static_cast<float>(h) + eps);
+      for (int64_t i = 0; i < h; ++i)
+        o[i] = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(static_cast<T>(static_cast<float>(xr[i]) * inv)));
+    }
+  });
+}
+
+void check_rows(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, what, ": a [N, H] tensor with contiguous rows");
+}
+
+// out = weight * rmsnorm(x): x in float32, normalized, cast back, times the weight (transformers' order).
+void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor out) {
+  check_rows(x, "rms_norm x");
+  check_rows(out, "rms_norm out");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type(),
+              "rms_norm: x, weight and out share a dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    norm_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), weight.data_ptr<scalar_t>(), static_cast<float>(eps),
+                        x.size(0), x.size(1), out.data_ptr<scalar_t>(), out.stride(0));
+  });
+}
+
+// x [T, H, D] rotated in place, rotate-half layout, by cos/sin [max_positions, D] (float32) at each token's
+// position: x * cos + rotate_half(x) * sin, each product rounded to x's dtype as torch rounds it.
+template <typename T>
+void rotate_rows(T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t token_stride, int64_t head_stride,
+                 const int64_t* pos, const float* cos, const float* sin) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos + pos[t] * dim;
+      const float* s = sin + pos[t] * dim;
+      for (int64_t hd = 0; hd < heads; ++hd) {
+        T* r = x + t * token_stride + hd * head_stride;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = static_cast<float>(r[i]), b = static_cast<float>(r[i + half]);
+          const T cos_a = static_cast<T>(a * static_cast<float>(static_cast<T>(c[i])));
+          const T sin_b = static_cast<T>(-b * static_cast<float>(static_cast<T>(s[i])));
+          const T cos_b = static_cast<T>(b * static_cast<float>(static_cast<T>(c[i + half])));
+          const T sin_a = static_cast<T>(a * static_cast<float>(static_cast<T>(s[i + half])));
+          r[i] = static_cast<T>(static_cast<float>(cos_a) + static_cast<float>(sin_b));
+          r[i + half] = static_cast<T>(static_cast<float>(cos_b) + static_cast<float>(sin_a));
+        }
+      }
+    }
+  });
+}
+
+void rotary(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary: x is [T, H, D] with contiguous heads");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "rotary: int64 positions");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.size(1) == x.size(2),
+              "rotary: contiguous float32 cos/sin tables [max_positions, D]");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary", [&] {
+    rotate_rows<scalar_t>(x.data_ptr<scalar_t>(), x.size(0), x.size(1), x.size(2), x.stride(0), x.stride(1),
+                          positions.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>());
+  });
+}
+
+// out [N, I] = silu(gate) * up for gate_up [N, 2I] (gate first), silu rounded before the product, as torch does.
+void silu_and_mul(const at::Tensor& gate_up, at::Tensor out) {
+  check_rows(gate_up, "silu_and_mul gate_up");
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == gate_up.scalar_type() && out.size(1) * 2 == gate_up.size(1),
+              "silu_and_mul: out [N, I] of gate_up's dtype");
+  const int64_t n = gate_up.size(0), inter = out.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* in = gate_up.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const int64_t stride = gate_up.stride(0);
+    at::parallel_for(0, n, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* g = in + r * stride;
+        const scalar_t* u = g + inter;
+        for (int64_t i = 0; i < inter; ++i) {
+          const float x = static_cast<float>(g[i]);
+          const scalar_t act = static_cast<scalar_t>(x / (1.f + pagedq::fast_exp(-x)));
+          o[r * inter + i] = static_cast<scalar_t>(static_cast<float>(act) * static_cast<float>(u[i]));
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedq, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
+  m.def("rotary(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_and_mul(Tensor gate_up, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedq, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rotary", &rotary);
+  m.impl("silu_and_mul", &silu_and_mul);
+}
