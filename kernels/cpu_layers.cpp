@@ -1,6 +1,6 @@
 // The elementwise parts of a decoder layer on the CPU, each one pass over its rows where torch makes several
 // (RMSNorm: cast, square, mean, rsqrt, two products; rotary: a negated half, a concatenation, three products and
-// a sum; SiLU and the product with the up projection). Each rounds where the torch code it replaces rounds, so
+// a sum). SiLU-and-multiply stays in torch: its vectorized exp beat a compiled loop here. Each rounds where the torch code it replaces rounds, so
 // float32 models give the same numbers up to the order of a sum. Built with cpu_attention.cpp
 // (kernels/cpu_ops.py); the ops are torch.ops.pagedq.*.
 
@@ -11,9 +11,6 @@
 #include "cpu_math.h"
 
 #include <cmath>
-
-// Products and sums rounded one by one, as torch's separate ops round them: no fused multiply-adds here.
-#pragma GCC optimize("fp-contract=off")
 
 namespace {
 
@@ -50,29 +47,31 @@ void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Ten
   });
 }
 
-// x [T, H, D] rotated in place, rotate-half layout, by cos/sin [max_positions, D] (float32) at each token's
-// position: x * cos + rotate_half(x) * sin, each product rounded to x's dtype as torch rounds it.
+// One head's row rotated in place: x * cos + rotate_half(x) * sin, each product and the sum rounded to T as torch
+// rounds its separate ops (no fused multiply-add: float32 gives torch's numbers exactly).
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void rotate_row(T* __restrict r, const float* __restrict c,
+                                                             const float* __restrict s, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = static_cast<float>(r[i]), b = static_cast<float>(r[i + half]);
+    const T cos_a = static_cast<T>(a * static_cast<float>(static_cast<T>(c[i])));
+    const T sin_b = static_cast<T>(-b * static_cast<float>(static_cast<T>(s[i])));
+    const T cos_b = static_cast<T>(b * static_cast<float>(static_cast<T>(c[i + half])));
+    const T sin_a = static_cast<T>(a * static_cast<float>(static_cast<T>(s[i + half])));
+    r[i] = static_cast<T>(static_cast<float>(cos_a) + static_cast<float>(sin_b));
+    r[i + half] = static_cast<T>(static_cast<float>(cos_b) + static_cast<float>(sin_a));
+  }
+}
+
+// x [T, H, D] rotated in place (rotate-half layout) by cos/sin [max_positions, D] (float32) at each token's
+// position.
 template <typename T>
 void rotate_rows(T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t token_stride, int64_t head_stride,
                  const int64_t* pos, const float* cos, const float* sin) {
-  const int64_t half = dim / 2;
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* c = cos + pos[t] * dim;
-      const float* s = sin + pos[t] * dim;
-      for (int64_t hd = 0; hd < heads; ++hd) {
-        T* r = x + t * token_stride + hd * head_stride;
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = static_cast<float>(r[i]), b = static_cast<float>(r[i + half]);
-          const T cos_a = static_cast<T>(a * static_cast<float>(static_cast<T>(c[i])));
-          const T sin_b = static_cast<T>(-b * static_cast<float>(static_cast<T>(s[i])));
-          const T cos_b = static_cast<T>(b * static_cast<float>(static_cast<T>(c[i + half])));
-          const T sin_a = static_cast<T>(a * static_cast<float>(static_cast<T>(s[i + half])));
-          r[i] = static_cast<T>(static_cast<float>(cos_a) + static_cast<float>(sin_b));
-          r[i + half] = static_cast<T>(static_cast<float>(cos_b) + static_cast<float>(sin_a));
-        }
-      }
-    }
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t hd = 0; hd < heads; ++hd)
+        rotate_row(x + t * token_stride + hd * head_stride, cos + pos[t] * dim, sin + pos[t] * dim, dim / 2);
   });
 }
 
@@ -88,40 +87,14 @@ void rotary(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos, co
   });
 }
 
-// out [N, I] = silu(gate) * up for gate_up [N, 2I] (gate first), silu rounded before the product, as torch does.
-void silu_and_mul(const at::Tensor& gate_up, at::Tensor out) {
-  check_rows(gate_up, "silu_and_mul gate_up");
-  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == gate_up.scalar_type() && out.size(1) * 2 == gate_up.size(1),
-              "silu_and_mul: out [N, I] of gate_up's dtype");
-  const int64_t n = gate_up.size(0), inter = out.size(1);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
-    const scalar_t* in = gate_up.data_ptr<scalar_t>();
-    scalar_t* o = out.data_ptr<scalar_t>();
-    const int64_t stride = gate_up.stride(0);
-    at::parallel_for(0, n, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const scalar_t* g = in + r * stride;
-        const scalar_t* u = g + inter;
-        for (int64_t i = 0; i < inter; ++i) {
-          const float x = static_cast<float>(g[i]);
-          const scalar_t act = static_cast<scalar_t>(x / (1.f + pagedq::fast_exp(-x)));
-          o[r * inter + i] = static_cast<scalar_t>(static_cast<float>(act) * static_cast<float>(u[i]));
-        }
-      }
-    });
-  });
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedq, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
   m.def("rotary(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
-  m.def("silu_and_mul(Tensor gate_up, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedq, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary", &rotary);
-  m.impl("silu_and_mul", &silu_and_mul);
 }

@@ -24,7 +24,7 @@ from kernels import torch_ops
 log = logging.getLogger("pagedq.kernels")
 
 GRAPH_SAFE = False
-FAST_LAYERS = True  # rms_norm, rotary, silu_and_mul below: the model uses them (LlamaForCausalLM.use_fast_layers)
+FAST_LAYERS = True  # rms_norm and rotary below: the model uses them (LlamaForCausalLM.use_fast_layers)
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_layers.cpp")]
 HEADERS = [Path(__file__).with_name("cpu_math.h")]
 # -march=native: the build is for this CPU (its flags are in the build key). Reassociating float sums lets the
@@ -130,9 +130,3 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: tor
     torch.ops.pagedq.rotary(x, positions, cos, sin)
     return x
 
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for gate_up [N, 2I], gate first."""
-    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
-    torch.ops.pagedq.silu_and_mul(gate_up, out)
-    return out

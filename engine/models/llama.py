@@ -126,13 +126,9 @@ class MLP(nn.Module):
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
-        self.fast = None  # see LlamaForCausalLM.use_fast_layers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.fast is not None:
-            return self.down_proj(self.fast.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.inter, dim=-1)
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -200,11 +196,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(h)
 
     def use_fast_layers(self, fast) -> None:
-        """RMSNorm, rotary and SiLU-and-multiply from `fast` (kernels.cpu_ops: one C++ pass each, the same
-        roundings) instead of several torch ops each; None: the torch ops."""
+        """RMSNorm and rotary from `fast` (kernels.cpu_ops: one C++ pass each, the same roundings) instead of
+        several torch ops each; None: the torch ops."""
         self.fast = fast
         for module in self.modules():
-            if isinstance(module, (RMSNorm, MLP)):
+            if isinstance(module, RMSNorm):
                 module.fast = fast
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""The C++ decode attention of the CPU path (kernels/cpu_attention.cpp, built on first use) against the torch ops,
-and how a backend is chosen on a CPU with and without a compiler."""
+"""The C++ kernels of the CPU path (kernels/cpu_attention.cpp, cpu_layers.cpp, built on first use) against the
+torch ops they replace, the engine on them, and how a backend is chosen on a CPU with and without a compiler."""
 
 import json
 import os
@@ -103,3 +103,44 @@ def test_host_kv_cache_is_zeroed_and_outlives_its_mapping():
     gc.collect()
     layer.fill_(1)
     assert layer.sum().item() == 5 * 16 * 2 * 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rms_norm_and_rotary_round_as_torch_does(built, dtype):
+    from engine.models.llama import RMSNorm, rotate
+
+    gen = torch.Generator().manual_seed(1)
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    norm.weight.data = torch.randn(576, generator=gen).to(dtype)
+    x = (torch.randn(37, 576, generator=gen) * 3).to(dtype)
+    want = norm(x)
+    got = built.rms_norm(x, norm.weight, norm.eps)
+    # The sum of squares is summed in another order: float32 within a few ulps, the others within one rounding.
+    tol = 2e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    heads = x.view(37, 9, 64)  # q/k norms: rows of a 3-D tensor
+    torch.testing.assert_close(built.rms_norm(heads, norm.weight[:64], 1e-5),
+                               RMSNorm(64, 1e-5).to(dtype).requires_grad_(False).eval()(heads) * norm.weight[:64],
+                               atol=tol, rtol=tol)
+
+    qkv = torch.randn(37, 15 * 64, generator=gen).to(dtype)
+    q = qkv[:, : 9 * 64].view(37, 9, 64)  # a strided view, as the model rotates it
+    positions = torch.randint(0, 100, (37,), generator=gen)
+    cos, sin = torch.randn(100, 64, generator=gen), torch.randn(100, 64, generator=gen)
+    want = rotate(q, cos[positions].to(dtype)[:, None], sin[positions].to(dtype)[:, None])
+    assert built.rotary(q, positions, cos, sin) is q
+    assert torch.equal(q, want)  # every product and sum rounded where torch rounds it: the same numbers
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_engine_on_the_cpu_kernels_matches_the_torch_ops(built, tiny_model, arch):
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    prompts = [[5, 9, 200, 31] * 20, [7] * 3, list(range(40, 140))]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "cpu"):
+        engine = LLMEngine(EngineConfig(model=tiny_model(arch), attention_backend=backend, num_kv_blocks=64))
+        assert (engine.runner.model.fast is built) == (backend == "cpu")
+        outs[backend] = [o.token_ids for o in engine.generate(prompts, params)]
+    assert outs["cpu"] == outs["torch"]
