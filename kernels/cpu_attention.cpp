@@ -1,5 +1,5 @@
-// Decode attention on the CPU that reads the paged KV cache in place: one work item per (sequence, KV head),
-// whose query heads share every key and value it loads. Built on first use by kernels/cpu_ops.py, for the CPU
+// Decode attention on the CPU that reads the paged KV cache in place: one work item per sequence, KV head by KV
+// head, whose query heads share every key and value it loads. Built on first use by kernels/cpu_ops.py, for the CPU
 // it runs on (-march=native), and registered as torch.ops.pagedq.decode_attention: an opaque op to the compiler.
 //
 // Layouts (kernels/__init__.py): q, out [T, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D];
@@ -96,6 +96,21 @@ void scores(const float* qf, const T* k_head, const int32_t* table, int64_t len,
   });
 }
 
+// Scores by the fastest path this CPU has for T.
+template <typename T, int64_t D>
+void scores_any(const T* q_row, const float* qf, const T* k_head, const int32_t* table, int64_t len,
+                const Shape& s, int64_t group, float* out) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16> && D % 32 == 0) {
+    if (group <= 4) {
+      scores_bf16<D>(q_row, s.scale, k_head, table, len, s, group, out);
+      return;
+    }
+  }
+#endif
+  scores<T, D>(qf, k_head, table, len, s, group, out);
+}
+
 // Softmax of each query's row in place.
 inline void softmax_rows(float* p, int64_t rows, int64_t len) {
   for (int64_t g = 0; g < rows; ++g) {
@@ -135,19 +150,7 @@ void attend(const T* q_row, const T* k_head, const T* v_head, const int32_t* tab
   work.resize(2 * group * D + group * len);
   float *qf = work.data(), *acc = qf + group * D, *p = acc + group * D;
   for (int64_t j = 0; j < group * D; ++j) qf[j] = static_cast<float>(q_row[j]) * s.scale;
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, at::BFloat16> && D % 32 == 0) {
-    if (group <= 4) {
-      scores_bf16<D>(q_row, s.scale, k_head, table, len, s, group, p);
-    } else {
-      scores<T, D>(qf, k_head, table, len, s, group, p);
-    }
-  } else {
-    scores<T, D>(qf, k_head, table, len, s, group, p);
-  }
-#else
-  scores<T, D>(qf, k_head, table, len, s, group, p);
-#endif
+  scores_any<T, D>(q_row, qf, k_head, table, len, s, group, p);
   softmax_rows(p, group, len);
   weighted_values<T, D>(p, v_head, table, len, s, group, acc);
   for (int64_t j = 0; j < group * D; ++j) o_row[j] = static_cast<T>(acc[j]);

@@ -1,9 +1,9 @@
-"""The CPU path with a C++ decode attention (kernels/cpu_attention.cpp) that reads the KV blocks in place, where
-the torch path gathers each group's blocks into a copy, zeroes its padding and attends over the copy. Prefill
-and storing keys and values are the torch ops.
+"""The CPU path in C++: a decode attention that reads the KV blocks in place (kernels/cpu_attention.cpp),
+where the torch path gathers each group's blocks into a copy, zeroes its padding and attends over the copy;
+RMSNorm and rotary as one pass each (kernels/cpu_layers.cpp). Prefill and storing keys and values are the torch ops.
 
-The kernel is compiled on first use with the machine's C++ compiler for the CPU it runs on, once per source, CPU,
-compiler flags and torch version (a folder under the cache), and loaded as torch.ops.pagedq.decode_attention.
+The kernels are compiled on first use with the machine's C++ compiler for the CPU they run on, once per source,
+CPU, compiler flags and torch version (a folder under the cache), and loaded as torch.ops.pagedq.*.
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ def build_key() -> str:
 
 
 def load(build_root: Path) -> str | None:
-    """Compile (or reuse) and load the kernel: None once it is usable, else why not (no compiler, a failed build)."""
-    folder = build_root / f"cpu-attention-{build_key()}"
+    """Compile (or reuse) and load the kernels: None once they are usable, else why not (no compiler, a failed
+    build)."""
+    folder = build_root / f"cpu-kernels-{build_key()}"
     with _lock:
         if str(folder) not in _state:
             _state[str(folder)] = _build(folder)
@@ -78,8 +79,8 @@ def _build(folder: Path) -> str | None:
         cpp_extension.load(name=f"pagedq_cpu_{folder.name.rsplit('-', 1)[1]}", sources=[str(p) for p in SOURCES],
                            extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], build_directory=str(folder),
                            is_python_module=False, verbose=False)
-    except Exception as e:  # a compiler error, a missing header: the torch path still serves
-        return f"the C++ decode attention did not build: {str(e).strip().splitlines()[-1] if str(e) else e!r}"
+    except Exception as e:  # a compiler error, a missing header: the torch ops still serve
+        return f"the CPU kernels did not build: {str(e).strip().splitlines()[-1] if str(e) else e!r}"
     return None
 
 
@@ -101,11 +102,11 @@ def paged_attention(
     """kernels.torch_ops.paged_attention's contract; the one-token queries go to the C++ kernel."""
     out = torch.empty_like(q)
     starts, lens, q_lens = torch_ops.split(query_start_loc, seq_lens)
-    decode = [b for b, n in enumerate(q_lens) if n == 1]
-    if decode and q.shape[2] not in head_sizes():
-        torch_ops._decode(q, k_cache, v_cache, decode, starts, lens, block_table, scale, out)
-    elif decode:
-        seqs = torch.tensor(decode, dtype=torch.int64)
+    decoding = [b for b, n in enumerate(q_lens) if n == 1]
+    if decoding and q.shape[2] not in head_sizes():
+        torch_ops.decode(q, k_cache, v_cache, decoding, starts, lens, block_table, scale, out)
+    elif decoding:
+        seqs = torch.tensor(decoding, dtype=torch.int64)
         rows = query_start_loc.to(torch.int64).index_select(0, seqs)
         torch.ops.pagedq.decode_attention(q.contiguous(), k_cache, v_cache, rows, seqs,
                                           seq_lens.to(torch.int32).contiguous(),

@@ -52,12 +52,12 @@ def _groups(order: list[int], lens: list[int]) -> list[list[int]]:
     return groups
 
 
-def _decode(q, k_cache, v_cache, decode, starts, lens, block_table, scale, out) -> None:
+def decode(q, k_cache, v_cache, decoding, starts, lens, block_table, scale, out) -> None:
     """One-token queries. The query heads that share a KV head are that head's queries (no key is repeated), so
     one fused attention call serves a whole group; the only copy is the gather of its blocks."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group = q.shape[1] // num_kv_heads
-    for seqs in _groups(sorted(decode, key=lens.__getitem__), lens):
+    for seqs in _groups(sorted(decoding, key=lens.__getitem__), lens):
         n = len(seqs)
         n_blocks = -(-lens[seqs[-1]] // block_size)
         idx = torch.tensor(seqs, device=q.device)
@@ -97,9 +97,9 @@ def paged_attention(
     """
     out = torch.empty_like(q)
     starts, lens, q_lens = split(query_start_loc, seq_lens)
-    decode = [b for b, n in enumerate(q_lens) if n == 1]
-    if decode:
-        _decode(q, k_cache, v_cache, decode, starts, lens, block_table, scale, out)
+    decoding = [b for b, n in enumerate(q_lens) if n == 1]
+    if decoding:
+        decode(q, k_cache, v_cache, decoding, starts, lens, block_table, scale, out)
     prefill(q, k_cache, v_cache, starts, lens, q_lens, block_table, scale, out)
     return out
 
