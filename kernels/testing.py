@@ -46,6 +46,19 @@ def random_batch(hq: int, hkv: int, head_dim: int, block_size: int, shapes: list
     return batch
 
 
+def with_padding_rows(batch: dict, n: int) -> dict:
+    """A decode-only batch with n more rows that see no key (seq_len 0, one dummy token each), as a padded
+    CUDA-graph batch has: attention must give them zeros and leave the other rows as they were."""
+    pad = dict(batch)
+    rows = len(batch["seq_lens"]) + n
+    pad["q"] = torch.cat([batch["q"], torch.randn(n, *batch["q"].shape[1:]).to(batch["q"])])
+    pad["query_start_loc"] = torch.arange(rows + 1, dtype=torch.int32, device=batch["q"].device)
+    pad["seq_lens"] = torch.cat([batch["seq_lens"], batch["seq_lens"].new_zeros(n)])
+    table = batch["block_table"]
+    pad["block_table"] = torch.cat([table, table.new_zeros(n, table.shape[1])])
+    return pad
+
+
 def attend(ops, batch: dict, **kw) -> torch.Tensor:
     """ops.paged_attention over a random_batch (kw: ops.attention's extra arguments, e.g. segments)."""
     args = (batch["q"], batch["k_cache"], batch["v_cache"], batch["query_start_loc"], batch["seq_lens"],

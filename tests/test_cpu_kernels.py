@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels import cpu_ops, get_backend, torch_ops
-from kernels.testing import attend, oracle, random_batch, rel_err, store
+from kernels.testing import attend, oracle, random_batch, rel_err, store, with_padding_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,11 +47,7 @@ def test_padding_rows_are_zeros_and_other_head_sizes_fall_back(built):
     b = random_batch(4, 2, 64, 16, [(20, 1), (3, 1)], torch.float32)
     store(torch_ops, b)
     want = attend(built, b)
-    pad = dict(b)  # a padded decode batch (CUDA-graph style): two more rows that see no key
-    pad["q"] = torch.cat([b["q"], torch.randn(2, 4, 64)])
-    pad["query_start_loc"] = torch.arange(5, dtype=torch.int32)
-    pad["seq_lens"] = torch.cat([b["seq_lens"], torch.zeros(2, dtype=torch.int32)])
-    pad["block_table"] = torch.cat([b["block_table"], torch.zeros(2, b["block_table"].shape[1], dtype=torch.int32)])
+    pad = with_padding_rows(b, 2)
     got = attend(built, pad)
     assert torch.equal(got[:2], want) and torch.equal(got[2:], torch.zeros_like(got[2:]))
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernels import torch_ops, triton_ops
-from kernels.testing import attend, oracle, random_batch
+from kernels.testing import attend, oracle, random_batch, with_padding_rows
 from kernels.testing import rel_err as _rel_err
 
 DECODE = [(12, 1), (3, 1), (70, 1), (0, 1), (33, 1)]
@@ -139,11 +139,7 @@ def test_padding_rows_read_nothing():
     b = random_batch(8, 2, 64, 16, [(20, 1), (7, 1)], torch.float32)
     triton_ops.store_kv(b["k"], b["v"], b["k_cache"], b["v_cache"], b["slot_mapping"])
     want = attend(triton_ops, b)
-    pad = dict(b)
-    pad["q"] = torch.cat([b["q"], torch.randn(2, 8, 64)])
-    pad["query_start_loc"] = torch.arange(5, dtype=torch.int32)
-    pad["seq_lens"] = torch.cat([b["seq_lens"], torch.zeros(2, dtype=torch.int32)])
-    pad["block_table"] = torch.cat([b["block_table"], torch.zeros(2, b["block_table"].shape[1], dtype=torch.int32)])
+    pad = with_padding_rows(b, 2)
     got = attend(triton_ops, pad)
     assert torch.equal(got[:2], want) and torch.equal(got[2:], torch.zeros_like(got[2:]))
 
