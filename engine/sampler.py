@@ -71,9 +71,11 @@ def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [S, V] float32 -> (token ids [S], logprobs of the raw distribution [S, V] or empty)."""
-    if batch.greedy_only:
+    """logits [S, V] in the model's dtype -> (token ids [S], logprobs of the raw distribution [S, V] or empty).
+    Everything but a plain argmax runs in float32."""
+    if batch.greedy_only:  # float32 holds every bfloat16 / float16 value exactly: the same first maximum, no copy
         return _argmax(logits), torch.empty(0)
+    logits = logits.float()
     want_logprobs = any(p.logprobs is not None for p in batch.params)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else torch.empty(0)
     logits = apply_min_tokens(apply_penalties(logits, batch), batch)

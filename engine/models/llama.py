@@ -204,7 +204,8 @@ class LlamaForCausalLM(nn.Module):
                 module.fast = fast
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """In the model's dtype: the sampler upcasts what it needs to."""
+        return self.lm_head(hidden)
 
     def load_weights(self, folder: Path) -> None:
         from safetensors import safe_open
