@@ -143,6 +143,76 @@ void weighted_values(const float* __restrict p, const T* v_head, const int32_t* 
   });
 }
 
+#if defined(__AVX512BF16__)
+// bfloat16 values on a CPU with AVX-512 BF16: two tokens at a time, their rows interleaved into (v_t, v_t+1)
+// pairs and their weights rounded to bfloat16 (as torch's fused CPU attention rounds them for this product), so
+// one instruction adds both products of a pair into float32. The interleave works within 128-bit lanes, which
+// leaves the accumulators' dimensions permuted: they are put back in order once, at the end.
+template <int64_t D>
+void weighted_values_bf16(const float* p, const at::BFloat16* v_head, const int32_t* table, int64_t len,
+                          const Shape& s, int64_t group, float* acc) {
+  constexpr int64_t kLanes = 32, C = D / kLanes;
+  __m512 lo[4][C], hi[4][C];  // at most 4 query heads share a KV head on this path
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t c = 0; c < C; ++c) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
+  auto add_pair = [&](int64_t t, const at::BFloat16* a, const at::BFloat16* b, bool both) {
+    __m512bh pairs_lo[C], pairs_hi[C];
+    for (int64_t c = 0; c < C; ++c) {
+      const __m512i x = _mm512_loadu_si512(a + c * kLanes), y = _mm512_loadu_si512(b + c * kLanes);
+      pairs_lo[c] = (__m512bh)_mm512_unpacklo_epi16(x, y);
+      pairs_hi[c] = (__m512bh)_mm512_unpackhi_epi16(x, y);
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      const uint32_t w0 = at::BFloat16(p[g * len + t]).x;
+      const uint32_t w1 = both ? at::BFloat16(p[g * len + t + 1]).x : 0;
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(w0 | (w1 << 16)));
+      for (int64_t c = 0; c < C; ++c) {
+        lo[g][c] = _mm512_dpbf16_ps(lo[g][c], pairs_lo[c], w);
+        hi[g][c] = _mm512_dpbf16_ps(hi[g][c], pairs_hi[c], w);
+      }
+    }
+  };
+  const at::BFloat16* pending = nullptr;
+  int64_t pending_t = 0;
+  for_each_row(v_head, table, len, s, [&](int64_t t, const at::BFloat16* row) {
+    if (pending == nullptr) {
+      pending = row;
+      pending_t = t;
+    } else {
+      add_pair(pending_t, pending, row, true);
+      pending = nullptr;
+    }
+  });
+  if (pending != nullptr) add_pair(pending_t, pending, pending, false);  // an odd last row, paired at weight 0
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t c = 0; c < C; ++c) {
+      float l[16], h[16];
+      _mm512_storeu_ps(l, lo[g][c]);
+      _mm512_storeu_ps(h, hi[g][c]);
+      for (int64_t i = 0; i < 16; ++i) {  // lane i of 128-bit lane i / 4 holds dimension 8 * (i / 4) + i % 4 (+4)
+        acc[g * D + c * kLanes + 8 * (i / 4) + i % 4] = l[i];
+        acc[g * D + c * kLanes + 8 * (i / 4) + 4 + i % 4] = h[i];
+      }
+    }
+  }
+}
+#endif
+
+// Weighted values by the fastest path this CPU has for T.
+template <typename T, int64_t D>
+void weighted_values_any(const float* p, const T* v_head, const int32_t* table, int64_t len, const Shape& s,
+                         int64_t group, float* acc) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16> && D % 32 == 0) {
+    if (group <= 4) {
+      weighted_values_bf16<D>(p, v_head, table, len, s, group, acc);
+      return;
+    }
+  }
+#endif
+  weighted_values<T, D>(p, v_head, table, len, s, group, acc);
+}
+
 // One (sequence, KV head): its `group` query heads attend to the sequence's keys and values.
 template <typename T, int64_t D>
 void attend(const T* q_row, const T* k_head, const T* v_head, const int32_t* table, int64_t len, const Shape& s,
@@ -152,7 +222,7 @@ void attend(const T* q_row, const T* k_head, const T* v_head, const int32_t* tab
   for (int64_t j = 0; j < group * D; ++j) qf[j] = static_cast<float>(q_row[j]) * s.scale;
   scores_any<T, D>(q_row, qf, k_head, table, len, s, group, p);
   softmax_rows(p, group, len);
-  weighted_values<T, D>(p, v_head, table, len, s, group, acc);
+  weighted_values_any<T, D>(p, v_head, table, len, s, group, acc);
   for (int64_t j = 0; j < group * D; ++j) o_row[j] = static_cast<T>(acc[j]);
 }
 
