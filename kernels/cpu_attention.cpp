@@ -296,12 +296,45 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   });
 }
 
+// k, v [T, Hkv, D] (each token's heads contiguous, any token stride) copied into the caches at flat slots
+// (block * block_size + offset); slot -1 is skipped. One memcpy per token and cache, where index_copy_ goes
+// element by element.
+void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes(), "store_kv: k and v are [T, Hkv, D]");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
+              "store_kv: each token's heads contiguous");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "store_kv: contiguous caches of k's and v's dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "store_kv: int64 slots");
+  TORCH_CHECK(k_cache.size(2) * k_cache.size(3) == k.size(1) * k.size(2), "store_kv: head shapes");
+  const int64_t tokens = k.size(0), row_bytes = k.size(1) * k.size(2) * k.element_size();
+  const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  const char *kp = static_cast<const char*>(k.data_ptr()), *vp = static_cast<const char*>(v.data_ptr());
+  char *kc = static_cast<char*>(k_cache.data_ptr()), *vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
+  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slot[t] < slots, "store_kv: slot ", slot[t], " out of range");
+  at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slot[t] < 0) continue;
+      std::memcpy(kc + slot[t] * row_bytes, kp + t * k_stride, row_bytes);
+      std::memcpy(vc + slot[t] * row_bytes, vp + t * v_stride, row_bytes);
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedq, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor rows, Tensor seqs, Tensor seq_lens, "
         "Tensor block_table, float scale, Tensor(a!) out) -> ()");
   m.def("head_sizes() -> int[]", &head_sizes);
+  m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagedq, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(pagedq, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("store_kv", &store_kv);
+}

@@ -1,6 +1,7 @@
 """The CPU path in C++: a decode attention that reads the KV blocks in place (kernels/cpu_attention.cpp),
 where the torch path gathers each group's blocks into a copy, zeroes its padding and attends over the copy;
-RMSNorm and rotary as one pass each (kernels/cpu_layers.cpp). Prefill and storing keys and values are the torch ops.
+RMSNorm and rotary as one pass each (kernels/cpu_layers.cpp); keys and values stored with a copy per token.
+Prefill attention is the torch ops'.
 
 The kernels are compiled on first use with the machine's C++ compiler for the CPU they run on, once per source,
 CPU, compiler flags and torch version (a folder under the cache), and loaded as torch.ops.pagedq.*.
@@ -32,7 +33,6 @@ HEADERS = [Path(__file__).with_name("cpu_math.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
           "-fno-signed-zeros", "-ffp-contract=fast"]
 
-store_kv = torch_ops.store_kv
 _lock = threading.Lock()
 _state: dict[str, str | None] = {}  # build folder -> None when loaded, else why the kernel is not available
 
@@ -82,6 +82,22 @@ def _build(folder: Path) -> str | None:
     except Exception as e:  # a compiler error, a missing header: the torch ops still serve
         return f"the CPU kernels did not build: {str(e).strip().splitlines()[-1] if str(e) else e!r}"
     return None
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """kernels.torch_ops.store_kv's contract: one copy per token in C++ where the dtypes and layout allow it."""
+    if slot_mapping.numel() == 0:
+        return
+    if k.dtype != k_cache.dtype or not (_heads_contiguous(k) and _heads_contiguous(v)):
+        torch_ops.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        return
+    torch.ops.pagedq.store_kv(k, v, k_cache, v_cache, slot_mapping.to(torch.int64).contiguous())
+
+
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 @functools.cache

@@ -43,6 +43,22 @@ def test_decode_reads_the_blocks_in_place(built, hq, hkv, head_dim, dtype):
     assert torch.equal(got[prefill], want[prefill])  # the prefill rows are the torch ops' own
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_copies_each_token_to_its_slot(built, dtype):
+    b = random_batch(9, 3, 64, 16, [(0, 7), (15, 1), (5, 6)], dtype)
+    qkv = torch.randn(len(b["k"]), 15 * 64).to(dtype)  # k and v as the model has them: views of one projection
+    k, v = qkv[:, 9 * 64 : 12 * 64].view(-1, 3, 64), qkv[:, 12 * 64 :].view(-1, 3, 64)
+    slots = b["slot_mapping"].clone()
+    slots[3] = -1  # skipped
+    want_k, want_v = b["k_cache"].clone(), b["v_cache"].clone()
+    torch_ops.store_kv(k, v, want_k, want_v, slots)
+    built.store_kv(k, v, b["k_cache"], b["v_cache"], slots)
+    same = torch.equal(b["k_cache"].nan_to_num(7), want_k.nan_to_num(7))  # unwritten slots hold NaN in both
+    assert same and torch.equal(b["v_cache"].nan_to_num(7), want_v.nan_to_num(7))
+    with pytest.raises(RuntimeError, match="out of range"):
+        built.store_kv(k, v, b["k_cache"], b["v_cache"], slots + b["k_cache"].shape[0] * 16)
+
+
 def test_padding_rows_are_zeros_and_other_head_sizes_fall_back(built):
     b = random_batch(4, 2, 64, 16, [(20, 1), (3, 1)], torch.float32)
     store(torch_ops, b)
