@@ -290,6 +290,17 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   TORCH_CHECK(std::find(sizes.begin(), sizes.end(), s.head_dim) != sizes.end(), "decode_attention: head size ",
               s.head_dim, " is not built");
   const int64_t n = rows.numel();
+  // Cheap bounds (per row, not per block): a kernel that reads memory by index must not read past its tensors.
+  TORCH_CHECK(seqs.numel() == n, "decode_attention: a sequence per row");
+  const int64_t *row_p = rows.data_ptr<int64_t>(), *seq_p = seqs.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(row_p[i] >= 0 && row_p[i] < q.size(0) && seq_p[i] >= 0 && seq_p[i] < block_table.size(0) &&
+                    seq_p[i] < seq_lens.numel(),
+                "decode_attention: row or sequence out of range");
+    const int64_t len = seq_lens.data_ptr<int32_t>()[seq_p[i]];
+    TORCH_CHECK(len >= 0 && len <= s.table_stride * s.block_size, "decode_attention: sequence ", seq_p[i],
+                " holds ", len, " tokens, more than its block table row");
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
     decode<scalar_t>(q, k_cache, v_cache, rows.data_ptr<int64_t>(), seqs.data_ptr<int64_t>(),
                      seq_lens.data_ptr<int32_t>(), block_table.data_ptr<int32_t>(), s, n, out);

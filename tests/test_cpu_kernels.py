@@ -67,6 +67,10 @@ def test_padding_rows_are_zeros_and_other_head_sizes_fall_back(built):
     got = attend(built, pad)
     assert torch.equal(got[:2], want) and torch.equal(got[2:], torch.zeros_like(got[2:]))
 
+    too_long = dict(b, seq_lens=b["seq_lens"] + b["block_table"].shape[1] * 16)  # past its block table row
+    with pytest.raises(RuntimeError, match="more than its block table row"):
+        attend(built, too_long)
+
     odd = random_batch(4, 2, 24, 16, [(20, 1), (0, 5)], torch.float32)  # a head size the kernel is not built for
     assert 24 not in built.head_sizes()
     store(torch_ops, odd)
