@@ -74,12 +74,12 @@ def _build(folder: Path) -> str | None:
         return "no ninja on PATH (pip install ninja)"
     from torch.utils import cpp_extension
 
-    folder.mkdir(parents=True, exist_ok=True)
     try:
+        folder.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(name=f"pagedq_cpu_{folder.name.rsplit('-', 1)[1]}", sources=[str(p) for p in SOURCES],
                            extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], build_directory=str(folder),
                            is_python_module=False, verbose=False)
-    except Exception as e:  # a compiler error, a missing header: the torch ops still serve
+    except Exception as e:  # a compiler error, a missing header, a read-only cache: the torch ops still serve
         return f"the CPU kernels did not build: {str(e).strip().splitlines()[-1] if str(e) else e!r}"
     return None
 

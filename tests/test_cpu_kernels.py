@@ -97,14 +97,25 @@ print(json.dumps({"auto_is_torch": auto is torch_ops, "explicit": explicit}))
 """
 
 
-def test_without_a_compiler_auto_falls_back_and_cpu_says_why(tmp_path):
-    env = {**os.environ, "CXX": "no-such-c++", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path / "fresh")], env=env, capture_output=True,
-                         text=True, timeout=300)
+def probe(build_root: Path, **env: str) -> tuple[dict, str]:
+    out = subprocess.run([sys.executable, "-c", PROBE, str(build_root)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), **env})
     assert out.returncode == 0, out.stderr
-    got = json.loads(out.stdout)
-    assert got["auto_is_torch"] and "no C++ compiler ('no-such-c++')" in out.stderr
+    return json.loads(out.stdout), out.stderr
+
+
+def test_without_a_compiler_auto_falls_back_and_cpu_says_why(tmp_path):
+    got, log = probe(tmp_path / "fresh", CXX="no-such-c++")
+    assert got["auto_is_torch"] and "no C++ compiler ('no-such-c++')" in log
     assert "attention_backend='cpu' cannot run here" in got["explicit"] and "no-such-c++" in got["explicit"]
+
+
+def test_an_unwritable_cache_falls_back_too(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    got, log = probe(blocker / "kernels")  # mkdir under a file fails, as on a read-only cache
+    assert got["auto_is_torch"] and "did not build" in log
+    assert "cannot run here" in got["explicit"]
 
 
 def test_host_kv_cache_is_zeroed_and_outlives_its_mapping():
