@@ -58,13 +58,19 @@ inline void for_each_row(const T* head, const int32_t* table, int64_t len, const
 }
 
 #if defined(__AVX512BF16__)
+// The AVX-512 BF16 paths: bfloat16 rows of whole 512-bit registers, and at most this many query heads per KV head
+// (their accumulators stay in registers).
+constexpr int64_t kBf16MaxGroup = 4;
+template <typename T, int64_t D>
+constexpr bool kBf16Dots = std::is_same_v<T, at::BFloat16> && D % 32 == 0;
+
 // bfloat16 keys on a CPU with AVX-512 BF16: each pair of bfloat16 products is summed into float32 in one
 // instruction, against the query's own bfloat16 values (the scale is applied to the float32 score).
 template <int64_t D>
 void scores_bf16(const at::BFloat16* q_row, float scale, const at::BFloat16* k_head, const int32_t* table,
                  int64_t len, const Shape& s, int64_t group, float* out) {
   constexpr int64_t kLanes = 32;  // bfloat16 values in a 512-bit register
-  __m512bh q[4][D / kLanes];  // at most 4 query heads share a KV head on this path
+  __m512bh q[kBf16MaxGroup][D / kLanes];
   for (int64_t g = 0; g < group; ++g)
     for (int64_t c = 0; c < D / kLanes; ++c)
       q[g][c] = (__m512bh)_mm512_loadu_si512(q_row + g * D + c * kLanes);
@@ -101,8 +107,8 @@ template <typename T, int64_t D>
 void scores_any(const T* q_row, const float* qf, const T* k_head, const int32_t* table, int64_t len,
                 const Shape& s, int64_t group, float* out) {
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, at::BFloat16> && D % 32 == 0) {
-    if (group <= 4) {
+  if constexpr (kBf16Dots<T, D>) {
+    if (group <= kBf16MaxGroup) {
       scores_bf16<D>(q_row, s.scale, k_head, table, len, s, group, out);
       return;
     }
@@ -152,7 +158,7 @@ template <int64_t D>
 void weighted_values_bf16(const float* p, const at::BFloat16* v_head, const int32_t* table, int64_t len,
                           const Shape& s, int64_t group, float* acc) {
   constexpr int64_t kLanes = 32, C = D / kLanes;
-  __m512 lo[4][C], hi[4][C];  // at most 4 query heads share a KV head on this path
+  __m512 lo[kBf16MaxGroup][C], hi[kBf16MaxGroup][C];
   for (int64_t g = 0; g < group; ++g)
     for (int64_t c = 0; c < C; ++c) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
   auto add_pair = [&](int64_t t, const at::BFloat16* a, const at::BFloat16* b, bool both) {
@@ -203,8 +209,8 @@ template <typename T, int64_t D>
 void weighted_values_any(const float* p, const T* v_head, const int32_t* table, int64_t len, const Shape& s,
                          int64_t group, float* acc) {
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, at::BFloat16> && D % 32 == 0) {
-    if (group <= 4) {
+  if constexpr (kBf16Dots<T, D>) {
+    if (group <= kBf16MaxGroup) {
       weighted_values_bf16<D>(p, v_head, table, len, s, group, acc);
       return;
     }

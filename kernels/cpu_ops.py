@@ -1,7 +1,7 @@
 """The CPU path in C++: a decode attention that reads the KV blocks in place (kernels/cpu_attention.cpp),
 where the torch path gathers each group's blocks into a copy, zeroes its padding and attends over the copy;
 RMSNorm and rotary as one pass each (kernels/cpu_layers.cpp); keys and values stored with a copy per token.
-Prefill attention is the torch ops'.
+Prefill attention stays with the torch ops.
 
 The kernels are compiled on first use with the machine's C++ compiler for the CPU they run on, once per source,
 CPU, compiler flags and torch version (a folder under the cache), and loaded as torch.ops.pagedq.*.
