@@ -23,7 +23,8 @@ async def _gone(receive: Receive) -> None:
 
 
 async def _first(work: asyncio.Future, receive: Receive) -> bool:
-    """Wait for `work` or the client's disconnect; True when the client left first (`work` is cancelled)."""
+    """Wait for `work` or the client's disconnect; True when the client left first (`work` is then cancelled,
+    and may still be unwinding: see `_settle`)."""
     listener = asyncio.ensure_future(_gone(receive))
     try:
         await asyncio.wait({work, listener}, return_when=asyncio.FIRST_COMPLETED)
@@ -32,15 +33,19 @@ async def _first(work: asyncio.Future, receive: Receive) -> bool:
     if work.done():
         return False
     work.cancel()
+    return True
+
+
+async def _settle(work: asyncio.Future) -> None:
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await work
-    return True
 
 
 async def unless_gone(receive: Receive, coro: Awaitable[T]) -> tuple[bool, T | None]:
     """(True, None) when the client disconnected before `coro` finished; else (False, its value)."""
     work = asyncio.ensure_future(coro)
     if await _first(work, receive):
+        await _settle(work)
         return True, None
     return False, work.result()
 
@@ -62,4 +67,6 @@ class EventStream(StreamingResponse):
         elif not left:
             work.result()
         if left:
+            # Before waiting for the stream to unwind: however long that takes, the job stops now.
             await self.on_disconnect()
+        await _settle(work)
