@@ -18,7 +18,7 @@ from engine.sampler import SamplingBatch, sample
 from engine.scheduler import SchedulerOutput
 from engine.stats import StepTimes
 from engine.step_inputs import StepInputs
-from kernels import get_backend
+from kernels import get_backend, torch_ops
 
 log = logging.getLogger("pagedq.engine")
 
@@ -57,6 +57,7 @@ class ModelRunner:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit of {model_max} tokens")
         self.max_model_len = config.max_model_len or model_max
         self.ops = get_backend(config.attention_backend, config.device, cache_root(config.cache_dir) / "kernels")
+        self.argmax = getattr(self.ops, "argmax", torch_ops.argmax)  # greedy tokens: a backend may have a kernel
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
@@ -159,7 +160,7 @@ class ModelRunner:
             return [], torch.empty(0)
         # Logits only where a token is sampled, never for the rest of a prompt.
         logits = self.model.logits(hidden[torch.from_numpy(inputs.sample_rows).to(self.device)])
-        tokens, logprobs = sample(logits, sampling)
+        tokens, logprobs = sample(logits, sampling, self.argmax)
         tokens = tokens.tolist()
         del logits, hidden  # freed here, in the phase that made them (a batch's logits can be hundreds of MB)
         self.times.lap("sample")

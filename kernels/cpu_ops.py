@@ -26,7 +26,7 @@ log = logging.getLogger("pagedq.kernels")
 
 GRAPH_SAFE = False
 FAST_LAYERS = True  # rms_norm and rotary below: the model uses them (LlamaForCausalLM.use_fast_layers)
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_layers.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_layers.cpp", "cpu_sampling.cpp")]
 HEADERS = [Path(__file__).with_name("cpu_math.h")]
 # -march=native: the build is for this CPU (its flags are in the build key). Reassociating float sums lets the
 # compiler vectorize the dot products; every sum is still accumulated in float32.
@@ -147,3 +147,13 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: tor
     torch.ops.pagedq.rotary(x, positions, cos, sin)
     return x
 
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum (kernels/cpu_sampling.cpp): the greedy tokens of [rows, vocab] logits."""
+    if logits.dim() != 2 or logits.stride(-1) != 1 or logits.dtype not in _ARGMAX_DTYPES or not logits.shape[1]:
+        return torch_ops.argmax(logits)
+    return torch.ops.pagedq.argmax_rows(logits)
+
+
+_ARGMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

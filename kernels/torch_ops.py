@@ -9,6 +9,12 @@ import torch.nn.functional as F
 GRAPH_SAFE = False
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum: the greedy tokens of [rows, vocab] logits. max's CPU kernel is about 1.5x
+    faster than argmax's over a large vocabulary, and gives the same index."""
+    return logits.max(dim=-1).indices
+
+
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:

@@ -1,5 +1,6 @@
-"""The C++ kernels of the CPU path (kernels/cpu_attention.cpp, cpu_layers.cpp, built on first use) against the
-torch ops they replace, the engine on them, and how a backend is chosen on a CPU with and without a compiler."""
+"""The C++ kernels of the CPU path (kernels/cpu_attention.cpp, cpu_layers.cpp, cpu_sampling.cpp, built on first
+use) against the torch ops they replace, the engine on them, and how a backend is chosen on a CPU with and without
+a compiler."""
 
 import json
 import os
@@ -157,6 +158,27 @@ def test_rms_norm_and_rotary_round_as_torch_does(built, dtype):
     want = rotate(q, cos[positions].to(dtype)[:, None], sin[positions].to(dtype)[:, None])
     assert built.rotary(q, positions, cos, sin) is q
     assert torch.equal(q, want)  # every product and sum rounded where torch rounds it: the same numbers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_argmax_picks_torchs_first_maximum(built, dtype):
+    gen = torch.Generator().manual_seed(2)
+    wide = torch.randn(9, 1000 + 7, generator=gen)  # not a multiple of the vector width: a tail
+    wide[1, 5] = wide[1, 900] = wide[1, 1003] = 50  # ties in different lanes and in the tail: the first wins
+    wide[2, 17] = wide[2, 1] = 50  # a later vector before an earlier lane
+    wide[3, 1006] = 60  # the maximum in the tail alone
+    wide[4, 40], wide[4, 3] = float("nan"), float("nan")  # torch's max: the first NaN
+    wide[5] = float("-inf")
+    wide[6, 700] = float("inf")
+    wide[7] = 0.0
+    wide[8, ::2] = -0.0
+    ties = torch.randint(-2, 2, (64, 33), generator=gen).float()  # many equal values per row
+    for x in (wide, ties, wide[:, :16], wide[:, :15], wide[:, :1], wide[:, 3:500]):  # the last: strided rows
+        x = x.to(dtype)
+        assert torch.equal(built.argmax(x), torch_ops.argmax(x)), x.shape
+    odd = torch.randn(4, 3, 8).to(dtype)  # not [rows, vocab]: the torch op answers
+    assert torch.equal(built.argmax(odd), torch_ops.argmax(odd))
+    assert torch.equal(built.argmax(wide.t()), torch_ops.argmax(wide.t()))  # rows not contiguous
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
