@@ -20,13 +20,11 @@ inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
-// The plain loop: rows too short for a vector, CPUs without AVX-512, and rows holding a NaN.
+// The plain loop from index `from`, given the best so far: the tail of a vectorized row, rows too short for a
+// vector, CPUs without AVX-512, and rows holding a NaN (the first NaN wins, as in torch).
 template <typename T>
-int64_t first_max(const T* row, int64_t n) {
-  int64_t best = 0;
-  float top = to_float(row[0]);
-  if (std::isnan(top)) return 0;
-  for (int64_t i = 1; i < n; ++i) {
+int64_t scan_from(const T* row, int64_t from, int64_t n, int64_t best, float top) {
+  for (int64_t i = from; i < n; ++i) {
     const float x = to_float(row[i]);
     if (std::isnan(x)) return i;
     if (x > top) {
@@ -35,6 +33,12 @@ int64_t first_max(const T* row, int64_t n) {
     }
   }
   return best;
+}
+
+template <typename T>
+int64_t first_max(const T* row, int64_t n) {
+  const float first = to_float(row[0]);
+  return std::isnan(first) ? 0 : scan_from(row, 1, n, 0, first);
 }
 
 #if defined(__AVX512F__)
@@ -77,17 +81,8 @@ int64_t first_max_avx512(const T* row, int64_t n) {
   if (nan) return first_max(row, n);
   const float m = _mm512_reduce_max_ps(top);
   const __mmask16 holders = _mm512_cmp_ps_mask(top, _mm512_set1_ps(m), _CMP_EQ_OQ);
-  int64_t best = _mm512_mask_reduce_min_epi32(holders, idx);
-  float best_value = m;
-  for (int64_t i = full; i < n; ++i) {  // the tail comes after every lane's elements: only a larger value wins
-    const float x = to_float(row[i]);
-    if (std::isnan(x)) return i;
-    if (x > best_value) {
-      best_value = x;
-      best = i;
-    }
-  }
-  return best;
+  // The tail comes after every lane's elements: only a larger value (or a NaN) wins over them.
+  return scan_from(row, full, n, _mm512_mask_reduce_min_epi32(holders, idx), m);
 }
 #endif
 
