@@ -148,12 +148,12 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: tor
     return x
 
 
+_ARGMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Each row's first maximum (kernels/cpu_sampling.cpp): the greedy tokens of [rows, vocab] logits."""
-    if logits.dim() != 2 or logits.stride(-1) != 1 or logits.dtype not in _ARGMAX_DTYPES or not logits.shape[1]:
+    vocab_rows = logits.dim() == 2 and logits.stride(-1) == 1 and logits.shape[1] > 0
+    if not vocab_rows or logits.dtype not in _ARGMAX_DTYPES:
         return torch_ops.argmax(logits)
     return torch.ops.pagedq.argmax_rows(logits)
-
-
-_ARGMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

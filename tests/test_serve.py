@@ -147,7 +147,8 @@ def test_disconnect_cancels_the_job(redis_url, queue, pq_tiny_model, start_worke
                  "--served-model-name", "tiny", "--metrics-port", str(port))
     base = start_serve(queue, "--model", "tiny")
     # One job first: the worker is up and past its first steps, so the disconnect below meets a running stream.
-    httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2}, timeout=120)
+    httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2},
+               timeout=120).raise_for_status()
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Count"}], "max_tokens": 2000,
             "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as r:
