@@ -147,7 +147,7 @@ def test_padding_rows_read_nothing():
 def test_backend_choice(monkeypatch):
     from kernels import get_backend
 
-    assert get_backend("torch", "cpu") is torch_ops  # "auto" on a CPU: tests/test_cpu_attention.py
+    assert get_backend("torch", "cpu") is torch_ops  # "auto" on a CPU: tests/test_cpu_kernels.py
     assert get_backend("triton", "cpu") is triton_ops  # the interpreter
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="cannot run here"):
