@@ -3,7 +3,7 @@
 A one-layer model with a tiny hidden size and the real tokenizer makes the forward nearly free, so what is left
 is the work that would keep a GPU waiting: scheduling, building inputs, bookkeeping, detokenizing, publishing.
 Measured on the engine direct, and through a worker on a real Redis (the worker's loop, with its publisher
-thread writing to Redis beside it). Host time = step time - forward - sampling.
+process writing to Redis beside it). Host time = step time - forward - sampling.
 """
 
 from __future__ import annotations

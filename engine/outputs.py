@@ -50,6 +50,12 @@ class RequestOutput:
         self._detok = None
 
     @property
+    def text_deferred(self) -> bool:
+        """True while this output's text is still to be decoded (its request has no stop strings): a reader in
+        another process can decode new_token_ids itself instead."""
+        return self._detok is not None
+
+    @property
     def new_text(self) -> str:
         if self._detok is not None:
             self._decode()

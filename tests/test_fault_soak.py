@@ -51,8 +51,10 @@ def test_soak_2000_jobs(queue, pq_tiny_model, start_worker):
         proc = start_worker(queue, pq_tiny_model, "--redis-url", srv.url, "--max-num-seqs", "64",
                             "--num-kv-blocks", "512", "--max-model-len", "128", "--result-ttl", str(TTL),
                             "--metrics-port", str(port))
-        # The worker's consumer group creates the jobs stream; that key stays, the rest must go.
-        wait_for(lambda: c.redis.exists(c.keys.jobs) and proc.poll() is None, 120, "the worker to start")
+        # The worker's consumer group creates the jobs stream and its first heartbeat the stats stream; those keys
+        # stay, the rest must go.
+        wait_for(lambda: c.redis.exists(c.keys.jobs, c.keys.stats) == 2 and proc.poll() is None, 120,
+                 "the worker to start")
         wait_for(lambda: gauge(port, "pagedq_kv_blocks_total"), 30, "the metrics endpoint")
         baseline = c.redis.dbsize()
         total = gauge(port, "pagedq_kv_blocks_total")

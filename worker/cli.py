@@ -15,11 +15,9 @@ import click
 from bench.cli import bench as bench_command
 from producer import defaults
 from producer.protocol import Limits
-from worker import cli_errors
+from worker import LOG_FORMAT, cli_errors
 from worker.cli_errors import CliError, Group
 from worker.version import pagedq_version
-
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def queue_options(f):

@@ -46,7 +46,7 @@ class Metrics:
         self.queue, self.model = queue, model
         self.registry = None
         self.window = LatencyWindow()
-        self._lock = threading.Lock()  # the step loop and the publisher thread both count jobs
+        self._lock = threading.Lock()  # the step loop and the publisher-reply thread both count jobs
         self.jobs_finished = 0
         nop = _Nop()
         for name in ("jobs", "tokens", "prompt_tokens", "cached_tokens", "preemptions", "retries", "dead_letters",

@@ -1,7 +1,8 @@
-"""The publisher: a thread that writes the step loop's outputs to Redis, one pipelined round trip per batch.
+"""The publisher: a thread that writes a worker's outputs to Redis, one pipelined round trip per batch.
 
-The step loop only hands over Python objects; JSON encoding and the network happen here, off its thread.
-Whatever piled up while a round trip was in flight goes out together in the next one.
+It runs in the worker's publisher process (worker/publisher_process.py), which hands it each step's outputs;
+JSON encoding and the network happen here. Whatever piled up while a round trip was in flight goes out together
+in the next one.
 """
 
 from __future__ import annotations
@@ -123,8 +124,13 @@ class Publisher(threading.Thread):
         # Items never written still count as pending acks: release them, or intake would stall.
         n = sum(1 for op in batch if op[0] != "step") + sum(
             1 for op in batch if op[0] == "step" for _, out, _ in op[1] if out.finished)
+        self.settled(n)
+
+    def settled(self, n: int) -> None:
+        """n finished jobs handed over are written (or given up on): they no longer hold intake's room."""
         with self.cond:
             self.pending_acks -= n
+            self.metrics.pending_acks.set(self.pending_acks)
             self.cond.notify_all()
 
     def flush(self, batch: list) -> None:
@@ -139,10 +145,7 @@ class Publisher(threading.Thread):
         todo += [call for _, _, call in ends]
         t = time.perf_counter()
         outs = run_calls(self.r, todo)
-        with self.cond:
-            self.pending_acks -= len(ends)
-            self.metrics.pending_acks.set(self.pending_acks)
-            self.cond.notify_all()
+        self.settled(len(ends))
         self.metrics.publish_seconds.observe(time.perf_counter() - t)
         if chunks:
             self._read_acks([job for job, _ in chunks], outs.pop(0))

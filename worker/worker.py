@@ -1,7 +1,7 @@
 """The worker: one engine loop fed from a Redis Streams consumer group.
 
 The step loop owns the engine. Intake reads only as many jobs as the engine can admit right now, and blocks
-on Redis only when the engine is idle; the publisher thread writes the outputs. So a job waits in Redis, not
+on Redis only when the engine is idle; the publisher process writes the outputs. So a job waits in Redis, not
 in the worker, and another worker of the queue can take it.
 """
 
@@ -27,7 +27,7 @@ from worker.job import RunningJob
 from worker.leases import LeaseKeeper
 from worker.metrics import Metrics
 from worker.pipeline import run_calls
-from worker.publisher import Publisher
+from worker.publisher_process import DIED, PublisherProcess, Setup, tokenizer_spec
 from worker.resume import read_output
 from worker.validate import Rejected, parse, prompt_ids, sampling_params
 from worker.version import pagedq_version
@@ -67,10 +67,10 @@ class Worker:
         # socket_timeout cuts a read that never returns (a half-open connection); it must exceed block_ms.
         # encoding_errors: a producer that XADDs bytes that are not UTF-8 must get a failed job (its JSON no
         # longer parses), not a decode error that kills intake and every job read in the same batch.
-        self.r = redis if redis is not None else connect(
-            config.redis_url, decode_responses=True, encoding_errors="replace",
-            socket_timeout=max(config.socket_timeout, config.block_ms / 1000 + 2),
-            socket_connect_timeout=5, socket_keepalive=True)
+        options = dict(decode_responses=True, encoding_errors="replace",
+                       socket_timeout=max(config.socket_timeout, config.block_ms / 1000 + 2),
+                       socket_connect_timeout=5, socket_keepalive=True)
+        self.r = redis if redis is not None else connect(config.redis_url, **options)
         self.settings = calls.WorkerSettings(self.id, config.lease_ms, config.max_attempts, config.result_ttl,
                                              config.dlq_cap)
         self.metrics = Metrics(config.queue, config.metrics_port, model=engine.model_name)
@@ -79,7 +79,10 @@ class Worker:
         self.model = engine.model_name
         self.active: dict[str, RunningJob] = {}
         self.stop_event = threading.Event()
-        self.publisher = Publisher(self.r, self.keys, self.settings, self.model, self.metrics)
+        # The publisher process connects from the URL (a `redis` client given here serves the loop's own calls).
+        self.publisher = PublisherProcess(
+            Setup(config.redis_url, options, config.queue, self.settings, self.model,
+                  tokenizer_spec(engine.tokenizer), log.getEffectiveLevel()), self.metrics)
         self.last_step_s = 0.0
         self.heartbeat = Heartbeat(self.r, self.keys, self.id, self._static_info(), config.heartbeat_s, self.metrics,
                                    self._live_state, config.lease_ms)
@@ -100,8 +103,8 @@ class Worker:
     # ---- the loop -------------------------------------------------------------------------------------------
 
     def run(self) -> None:
-        # The publisher and lease threads share the GIL with this loop: a short switch interval hands it back to
-        # the loop within a fraction of a step instead of the default 5 ms.
+        # The lease, heartbeat and publisher-reply threads share the GIL with this loop: a short switch interval
+        # hands it back to the loop within a fraction of a step instead of the default 5 ms.
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._setup()
         self.publisher.start()
@@ -252,6 +255,7 @@ class Worker:
         except ValueError as e:
             raise Rejected("invalid_request", str(e)) from None
         self.active[job.id] = job
+        self.publisher.begin(job, ids)
         self.metrics.running.set(len(self.active))
         self.metrics.job_started(job.enqueued_at, job.started_at, job.prompt_tokens, job.attempts)
 
@@ -277,7 +281,6 @@ class Worker:
             if job.first_token_at is None and out.new_token_ids:
                 job.first_token_at = now
             ntok += len(out.new_token_ids)
-            job.last = out
             if out.finished:
                 del self.active[out.request_id]
             items.append((job, out, job.emitted))
@@ -334,6 +337,8 @@ class Worker:
         notices = self.publisher.notices
         while not notices.empty():
             kind, job_id, lease = notices.get_nowait()
+            if kind == DIED:
+                raise RuntimeError("the publisher process exited: this worker can no longer write results")
             held = self.active.get(job_id)
             if held is None or held.lease != lease:  # about an earlier delivery of the job: stale
                 continue
@@ -341,6 +346,7 @@ class Worker:
             if kind == "cancel":
                 self.publisher.end(job, wire.CANCELLED, "cancelled")
             else:
+                self.publisher.forget(job)
                 log.warning("job %s: lease lost; dropped from the batch", job_id)
 
     def _drop(self, job_id: str) -> RunningJob | None:

@@ -1,0 +1,101 @@
+"""The worker's publisher process: it decodes text as the engine would, it dies with its worker, and a worker
+whose publisher died stops with a clear error instead of computing results nobody writes."""
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from faults import log_of, started, wait_for
+
+from engine import SamplingParams
+from producer import Client
+from worker.job import RunningJob
+from worker.publisher_process import JobView, _RustTokenizer, tokenizer_spec
+
+FLAGS = ("--max-num-seqs", "8", "--num-kv-blocks", "256", "--max-model-len", "256", "--lease-ms", "1500")
+
+
+@pytest.fixture(scope="module")
+def engine(pq_tiny_model):
+    from engine import EngineConfig, LLMEngine
+
+    return LLMEngine(EngineConfig(model=pq_tiny_model, max_num_seqs=8, num_kv_blocks=256, max_model_len=256))
+
+
+def _follow(engine, tokenizer, prompt: list[int], params: SamplingParams, resume: tuple[list[int], str] = ([], "")
+            ) -> tuple[str, str]:
+    """(the engine's own text, the text a JobView decodes from the same step records)."""
+    from engine.detokenizer import CONTEXT_TOKENS
+
+    engine.add_request("r", prompt_token_ids=prompt, params=params, resume_token_ids=resume[0],
+                       resume_text=resume[1])
+    job = RunningJob(id="r", entry="0-1", lease="l", attempts=1, enqueued_at=None, started_at=0.0,
+                     resume_ids=resume[0], resume_text=resume[1])
+    view = JobView(job, tokenizer, prompt[-CONTEXT_TOKENS:])
+    while True:
+        for out in engine.step():
+            assert out.text_deferred  # nothing in the step needs the text without stop strings
+            got = view.output(("r", out.new_token_ids, None, out.finish_reason, 0, None, 0), 0.0)
+            if out.finished:
+                return out.text, got.text
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_publisher_decodes_as_the_engine(engine, seed):
+    tokenizer = _RustTokenizer(tokenizer_spec(engine.tokenizer)[1])  # as the process gets it: JSON, no transformers
+    prompt = engine.tokenizer.encode(f"Café ☕ naïve 你好 {seed}")
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=seed)
+    ref, got = _follow(engine, tokenizer, prompt, params)
+    assert got == ref
+    first = engine.generate([prompt], SamplingParams(max_tokens=7, temperature=1.0, seed=seed))[0]
+    # Ended by a stop token (one this run samples), whose text is never shown.
+    stop = SamplingParams(max_tokens=40, temperature=1.0, seed=seed, stop_token_ids=[first.token_ids[4]])
+    ref, got = _follow(engine, tokenizer, prompt, stop)
+    assert got == ref
+    # Resumed after tokens another delivery streamed.
+    ref, got = _follow(engine, tokenizer, prompt, params, (list(first.token_ids), first.text))
+    assert got == ref
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z"
+
+
+def test_the_publisher_process_ends_with_its_worker(redis_url, queue, pq_tiny_model, start_worker):
+    w = start_worker(queue, pq_tiny_model, *FLAGS)
+    wait_for(lambda: started(w), 120, "the worker")
+    with Client(redis_url, queue=queue) as c:
+        res = c.submit(prompt="hello", max_tokens=8, temperature=0).result(timeout=60)
+    assert res.status == "completed" and len(res.token_ids) == 8
+    [child] = _children(w.pid)
+    os.kill(w.pid, signal.SIGKILL)
+    w.wait()
+    wait_for(lambda: not _alive(child), 30, "the publisher process to exit after its worker")
+
+
+def test_a_worker_stops_when_its_publisher_dies(redis_url, queue, pq_tiny_model, start_worker):
+    w = start_worker(queue, pq_tiny_model, *FLAGS)
+    wait_for(lambda: started(w), 120, "the worker")
+    [child] = _children(w.pid)
+    with Client(redis_url, queue=queue) as c:
+        job = c.submit(prompt="hello", max_tokens=200, temperature=0, ignore_eos=True)
+        wait_for(lambda: c.redis.xlen(c.keys.events(job.id)) >= 1, 60, "tokens")
+        os.kill(child, signal.SIGKILL)
+        assert w.wait(60) != 0
+        assert "publisher process exited" in log_of(w)
+        # Its job is not lost: a worker started after it resumes it once the lease runs out.
+        w2 = start_worker(queue, pq_tiny_model, *FLAGS)
+        wait_for(lambda: started(w2), 120, "the second worker")
+        res = job.result(timeout=120)
+    assert res.status == "completed" and len(res.token_ids) == 200
