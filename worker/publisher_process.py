@@ -15,7 +15,9 @@ Child -> parent: ("settled", n) finished jobs written; ("notice", kind, job id, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import logging
 import os
 import queue
@@ -38,6 +40,7 @@ log = logging.getLogger("pagedq.worker")
 ROOT = Path(__file__).resolve().parent.parent
 PARENT_GONE_TIMEOUT_S = 10.0  # the worker died: how long what it handed over may still take to write
 DIED = "died"  # the notice the worker's loop gets when the publisher process is gone
+PIPE_BYTES = 1 << 20
 
 
 @dataclasses.dataclass
@@ -74,8 +77,8 @@ class PublisherProcess:
         self.cond = threading.Condition()
         self.pending_acks = 0
         self.proc: subprocess.Popen | None = None
-        self.down: Connection | None = None
-        self.lock = threading.Lock()
+        # Messages for the process: a thread of ours writes them, so that the step loop never waits on the pipe.
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.closing = False
 
     def start(self) -> None:
@@ -86,11 +89,15 @@ class PublisherProcess:
                                      pass_fds=(down_r, up_w), env=env, stdin=subprocess.DEVNULL)
         os.close(down_r)
         os.close(up_w)
-        self.down = Connection(down_w, readable=False)
+        with contextlib.suppress(OSError, AttributeError):  # a roomier pipe rides out a slow moment of the process
+            fcntl.fcntl(down_w, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        self._send(("setup", self.setup))
+        self.writer = threading.Thread(target=self._write, args=(Connection(down_w, readable=False),),
+                                       name="pagedq-publisher-feed", daemon=True)
         self.reader = threading.Thread(target=self._read, args=(Connection(up_r, writable=False),),
                                        name="pagedq-publisher-replies", daemon=True)
+        self.writer.start()
         self.reader.start()
-        self._send(("setup", self.setup))
 
     # ---- the step loop's side -------------------------------------------------------------------------------
 
@@ -139,6 +146,7 @@ class PublisherProcess:
         self._send(("stop", timeout))
         if self.proc is None:
             return
+        self.writer.join(5)
         try:
             self.proc.wait(timeout + 5)
         except subprocess.TimeoutExpired:
@@ -153,11 +161,22 @@ class PublisherProcess:
             self.metrics.pending_acks.set(self.pending_acks)
 
     def _send(self, msg: tuple) -> None:
+        self.outbox.put(msg)
+
+    def _write(self, down: Connection) -> None:
+        # Whatever piled up goes in one write: one pickle and one wake-up of the process per batch of messages.
         try:
-            with self.lock:
-                self.down.send(msg)
-        except OSError:  # the process is gone: the reader has told the loop
+            while True:
+                batch = [self.outbox.get()]
+                while not self.outbox.empty():
+                    batch.append(self.outbox.get_nowait())
+                down.send(batch)
+                if batch[-1][0] == "stop":
+                    return
+        except OSError:  # the process is gone: the reader tells the loop
             pass
+        finally:
+            down.close()
 
     # ---- replies from the publisher process -----------------------------------------------------------------
 
@@ -298,7 +317,7 @@ def serve(down: Connection, up: _Up) -> None:
     from worker import LOG_FORMAT
     from worker.publisher import Publisher
 
-    setup: Setup = down.recv()[1]
+    setup: Setup = down.recv()[0][1]
     logging.basicConfig(level=setup.log_level, format=LOG_FORMAT)
     kind, spec = setup.tokenizer
     tokenizer = _RustTokenizer(spec) if kind == "rust" else spec
@@ -316,17 +335,18 @@ def serve(down: Connection, up: _Up) -> None:
     views: dict[str, JobView] = {}
     while True:
         try:
-            msg = down.recv()
+            batch = down.recv()
         except (EOFError, OSError):  # the worker is gone: write what it handed over, briefly
             pub.close(PARENT_GONE_TIMEOUT_S)
             return
-        if msg[0] == "stop":
-            pub.close(msg[1])
-            return
-        try:
-            _handle(msg, pub, views, tokenizer)
-        except Exception:  # one bad message must not stop the others' results
-            log.exception("publisher: could not handle %r", msg[0])
+        for msg in batch:
+            if msg[0] == "stop":
+                pub.close(msg[1])
+                return
+            try:
+                _handle(msg, pub, views, tokenizer)
+            except Exception:  # one bad message must not stop the others' results
+                log.exception("publisher: could not handle %r", msg[0])
 
 
 def _handle(msg: tuple, pub, views: dict[str, JobView], tokenizer) -> None:
