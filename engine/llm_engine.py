@@ -173,9 +173,10 @@ class LLMEngine:
         self.times.lap("schedule")
         tokens, logprobs = self.runner.run(batch, sampling)
         bm = self.block_manager
+        caching, bs = bm.prefix_caching, bm.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-            if bm.prefix_caching and seq.num_computed_tokens // bm.block_size > len(seq.block_hashes):
+            done = seq.num_computed_tokens = seq.num_computed_tokens + n
+            if caching and done // bs > len(seq.block_hashes):
                 bm.commit(seq)  # it filled a block: others may share it now
         if logprobs.numel():
             outputs = [self._output(seq, token, logprobs[row]) for row, (seq, token) in

@@ -88,25 +88,30 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         i = 0
         bs = self.bm.block_size
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            if seq.num_computed_tokens + n <= len(seq.block_table) * bs:  # its blocks hold it: the common decode
-                out.seqs.append(seq)
-                out.num_new_tokens.append(n)
+        running = self.running
+        add_seq, add_count = out.seqs.append, out.num_new_tokens.append  # bound once: this loop runs per sequence
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            done = seq.num_computed_tokens
+            n = len(seq.token_ids) - done
+            if n > budget:
+                n = budget
+            if done + n <= len(seq.block_table) * bs:  # its blocks hold it: the common decode
+                add_seq(seq)
+                add_count(n)
                 budget -= n
                 i += 1
                 continue
             while not self.bm.can_append(seq, n):
-                victim = self.running.pop()
+                victim = running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
             else:
                 self.bm.append(seq, n)
-                out.seqs.append(seq)
-                out.num_new_tokens.append(n)
+                add_seq(seq)
+                add_count(n)
                 budget -= n
                 i += 1
                 continue

@@ -62,8 +62,8 @@ def tokenizer_spec(tokenizer) -> tuple[str, Any]:
 
 
 def _snapshot(job: RunningJob) -> RunningJob:
-    # What the publisher needs of a job; its latest engine output stays here (it holds the engine's detokenizer).
-    return dataclasses.replace(job, last=None)
+    # The job as it is now: the feed thread pickles it later, while the step loop goes on updating the job.
+    return dataclasses.replace(job)
 
 
 class PublisherProcess:
@@ -170,13 +170,29 @@ class PublisherProcess:
                 batch = [self.outbox.get()]
                 while not self.outbox.empty():
                     batch.append(self.outbox.get_nowait())
-                down.send(batch)
-                if batch[-1][0] == "stop":
+                try:
+                    down.send(batch)
+                except OSError:
+                    raise
+                except Exception:  # a value that does not pickle: a bug, but only its own message is lost
+                    log.exception("publisher feed: a batch did not pickle; sending its messages one by one")
+                    self._send_each(down, batch)
+                if any(msg[0] == "stop" for msg in batch):
                     return
         except OSError:  # the process is gone: the reader tells the loop
             pass
         finally:
             down.close()
+
+    @staticmethod
+    def _send_each(down: Connection, batch: list) -> None:
+        for msg in batch:
+            try:
+                down.send([msg])
+            except OSError:
+                raise
+            except Exception:
+                log.exception("publisher feed: dropped a %r message that does not pickle", msg[0])
 
     # ---- replies from the publisher process -----------------------------------------------------------------
 
