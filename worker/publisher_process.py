@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 from types import SimpleNamespace
@@ -47,6 +48,7 @@ PIPE_BYTES = 1 << 20
 class Setup:
     redis_url: str
     redis_options: dict
+    cluster: bool  # as the worker found it: the process need not ask the server again
     queue: str
     settings: calls.WorkerSettings
     model: str
@@ -329,7 +331,6 @@ def _relay_metrics(up: _Up) -> SimpleNamespace:
 
 
 def serve(down: Connection, up: _Up) -> None:
-    from producer.connection import connect
     from worker import LOG_FORMAT
     from worker.publisher import Publisher
 
@@ -344,8 +345,7 @@ def serve(down: Connection, up: _Up) -> None:
             if n:
                 up("settled", n)
 
-    pub = Writer(connect(setup.redis_url, **setup.redis_options), Keys(setup.queue), setup.settings, setup.model,
-                 _relay_metrics(up))
+    pub = Writer(_connect(setup), Keys(setup.queue), setup.settings, setup.model, _relay_metrics(up))
     pub.notices = up
     pub.start()
     views: dict[str, JobView] = {}
@@ -363,6 +363,22 @@ def serve(down: Connection, up: _Up) -> None:
                 _handle(msg, pub, views, tokenizer)
             except Exception:  # one bad message must not stop the others' results
                 log.exception("publisher: could not handle %r", msg[0])
+
+
+def _connect(setup: Setup):
+    # A cluster client meets its servers at once: a Redis restart at that moment is waited out, not fatal.
+    import redis as redis_lib
+
+    from producer.connection import connect
+
+    delay = 0.1
+    while True:
+        try:
+            return connect(setup.redis_url, cluster=setup.cluster, **setup.redis_options)
+        except (redis_lib.ConnectionError, redis_lib.TimeoutError) as e:
+            log.warning("publisher: redis unreachable (%s); retrying in %.1f s", e, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
 
 def _handle(msg: tuple, pub, views: dict[str, JobView], tokenizer) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import redis as redis_lib
 
 from producer import calls, defaults, scripts, wire
-from producer.connection import connect
+from producer.connection import connect, is_cluster
 from producer.keys import GROUP, Keys
 from producer.protocol import Limits
 from worker.heartbeat import Heartbeat
@@ -81,7 +81,7 @@ class Worker:
         self.stop_event = threading.Event()
         # The publisher process connects from the URL (a `redis` client given here serves the loop's own calls).
         self.publisher = PublisherProcess(
-            Setup(config.redis_url, options, config.queue, self.settings, self.model,
+            Setup(config.redis_url, options, is_cluster(self.r), config.queue, self.settings, self.model,
                   tokenizer_spec(engine.tokenizer), log.getEffectiveLevel()), self.metrics)
         self.last_step_s = 0.0
         self.heartbeat = Heartbeat(self.r, self.keys, self.id, self._static_info(), config.heartbeat_s, self.metrics,
