@@ -11,7 +11,8 @@ from faults import log_of, started, wait_for
 from engine import SamplingParams
 from producer import Client
 from worker.job import RunningJob
-from worker.publisher_process import JobView, _RustTokenizer, tokenizer_spec
+from worker.publisher_child import JobView, _RustTokenizer
+from worker.publisher_process import tokenizer_spec
 
 FLAGS = ("--max-num-seqs", "8", "--num-kv-blocks", "256", "--max-model-len", "256", "--lease-ms", "1500")
 
