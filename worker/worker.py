@@ -268,49 +268,51 @@ class Worker:
             self._abandon("engine_error", f"the engine failed: {type(e).__name__}: {e}")
             raise
         self.steps += 1
-        self.metrics.step_seconds.observe(time.perf_counter() - t)
-        self._observe_step(outs, time.perf_counter() - t)
-        self.metrics.steps.inc()
+        self.last_step_s = time.perf_counter() - t
         now = time.time()
-        items = []
-        ntok = 0
-        for out in outs:
-            job = self.active.get(out.request_id)
-            if job is None:  # aborted meanwhile
-                continue
-            if job.first_token_at is None and out.new_token_ids:
-                job.first_token_at = now
-            ntok += len(out.new_token_ids)
-            if out.finished:
-                del self.active[out.request_id]
-            items.append((job, out, job.emitted))
-            job.emitted += len(out.new_token_ids)
+        items, firsts, ends, ntok = self._collect(outs, now)
+        self._observe_step(firsts, ends, ntok, now)
         if items:
             self.publisher.step(items, now)
-        self.metrics.tokens.inc(ntok)
         self.metrics.running.set(len(self.active))
         self._expire(now)
         self.engine.times.lap("publish")
 
-    def _observe_step(self, outs: list, seconds: float) -> None:
-        """Metrics of one step: batch size, first tokens, finished jobs. Runs before _step's own bookkeeping, so
-        a job's first_token_at is still unset at its first token and finished jobs are still active."""
-        now, m, batch = time.time(), self.metrics, self.engine.last_batch
-        self.last_step_s = seconds
-        if batch.seqs:
-            m.step(len(batch.seqs), batch.num_tokens, len(batch.preempted), sum(len(o.new_token_ids) for o in outs))
+    def _collect(self, outs: list, now: float) -> tuple[list, list, list, int]:
+        """One pass over a step's outputs -> the publisher's items [(job, output, offset)], the (job, output) pairs
+        of first tokens and of finished jobs, and the tokens generated. Runs per job per step: kept to one loop."""
+        active = self.active
+        items, firsts, ends, ntok = [], [], [], 0
         for out in outs:
-            job = self.active.get(out.request_id)
-            if job is None:
+            job = active.get(out.request_id)
+            if job is None:  # aborted meanwhile
                 continue
-            if job.first_token_at is None and out.new_token_ids:
-                m.first_token(job.enqueued_at, job.started_at, now, out.num_cached_tokens)
+            n = len(out.new_token_ids)
+            if job.first_token_at is None and n:
+                job.first_token_at = now
+                firsts.append((job, out))
             if out.finished:
-                m.finished(job.enqueued_at, job.started_at, job.first_token_at or now, now,
-                           len(out.token_ids) - len(job.resume_ids or ()))
-        eng = self.engine
-        m.engine_state(eng.num_running, eng.num_waiting, eng.num_free_blocks,
-                       eng.num_total_blocks)
+                del active[out.request_id]
+                ends.append((job, out))
+            items.append((job, out, job.emitted))
+            job.emitted += n
+            ntok += n
+        return items, firsts, ends, ntok
+
+    def _observe_step(self, firsts: list, ends: list, generated: int, now: float) -> None:
+        """Metrics of one step: batch size, first tokens, finished jobs."""
+        m, batch, eng = self.metrics, self.engine.last_batch, self.engine
+        m.step_seconds.observe(self.last_step_s)
+        m.steps.inc()
+        m.tokens.inc(generated)
+        if batch.seqs:
+            m.step(len(batch.seqs), batch.num_tokens, len(batch.preempted), generated)
+        for job, out in firsts:
+            m.first_token(job.enqueued_at, job.started_at, now, out.num_cached_tokens)
+        for job, out in ends:
+            m.finished(job.enqueued_at, job.started_at, job.first_token_at, now,
+                       len(out.token_ids) - len(job.resume_ids or ()))
+        m.engine_state(eng.num_running, eng.num_waiting, eng.num_free_blocks, eng.num_total_blocks)
 
     def _static_info(self) -> dict:
         cfg = getattr(self.engine, "config", None)
