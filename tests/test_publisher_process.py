@@ -77,8 +77,11 @@ def test_the_publisher_process_ends_with_its_worker(redis_url, queue, pq_tiny_mo
     w = start_worker(queue, pq_tiny_model, *FLAGS)
     wait_for(lambda: started(w), 120, "the worker")
     with Client(redis_url, queue=queue) as c:
-        res = c.submit(prompt="hello", max_tokens=8, temperature=0).result(timeout=60)
+        res = c.submit(prompt="hello", max_tokens=8, temperature=0, logprobs=2).result(timeout=60)
     assert res.status == "completed" and len(res.token_ids) == 8
+    # Logprobs cross the pipe too: each token's own, and its top 2 keyed by token id.
+    assert [lp.token_id for lp in res.logprobs] == res.token_ids
+    assert all(len(lp.top) == 2 and lp.token_id in lp.top for lp in res.logprobs)
     [child] = _children(w.pid)
     os.kill(w.pid, signal.SIGKILL)
     w.wait()

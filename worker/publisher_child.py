@@ -7,6 +7,7 @@ writes them to Redis. Messages: see worker/publisher_process.py.
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import sys
@@ -18,7 +19,7 @@ from typing import Any
 
 from producer.keys import Keys
 from worker.job import RunningJob
-from worker.publisher_process import Setup
+from worker.publisher_process import Setup, job_from_wire
 
 log = logging.getLogger("pagedq.worker")
 
@@ -82,6 +83,8 @@ class JobView:
 
     def output(self, record: tuple, now: float) -> Output:
         _, tokens, text, reason, cached, logprobs, _ = record
+        if logprobs:  # JSON keeps no int keys: (logprob, [[token, logprob], ...]) per token
+            logprobs = [(lp, dict(top)) for lp, top in logprobs]
         if text is None:
             try:
                 text = self.decode(tokens, reason)
@@ -103,8 +106,11 @@ class _Up:
         self.conn, self.lock = conn, threading.Lock()
 
     def __call__(self, *msg: Any) -> None:
-        with self.lock:
-            self.conn.send(msg)
+        try:
+            with self.lock:
+                self.conn.send_bytes(json.dumps(msg).encode())
+        except OSError:  # the worker is gone: nobody to tell, but what it handed over is still written
+            pass
 
     def put(self, notice: tuple) -> None:  # as Publisher.notices
         self("notice", *notice)
@@ -124,10 +130,10 @@ def serve(down: Connection, up: _Up) -> None:
     from worker import LOG_FORMAT
     from worker.publisher import Publisher
 
-    setup: Setup = down.recv()[0][1]
+    setup = Setup.from_wire(json.loads(down.recv_bytes())[0][1])
     logging.basicConfig(level=setup.log_level, format=LOG_FORMAT)
     kind, spec = setup.tokenizer
-    tokenizer = _RustTokenizer(spec) if kind == "rust" else spec
+    tokenizer = _RustTokenizer(spec) if kind == "rust" else _load_tokenizer(spec)
 
     class Writer(Publisher):
         def settled(self, n: int) -> None:
@@ -141,7 +147,7 @@ def serve(down: Connection, up: _Up) -> None:
     views: dict[str, JobView] = {}
     while True:
         try:
-            batch = down.recv()
+            batch = json.loads(down.recv_bytes())
         except (EOFError, OSError):  # the worker is gone: write what it handed over, briefly
             pub.close(PARENT_GONE_TIMEOUT_S)
             return
@@ -188,7 +194,8 @@ def _handle(msg: tuple, pub, views: dict[str, JobView], tokenizer) -> None:
                 del views[rec[0]]
         pub.step(items, now)
     elif op == "begin":
-        views[msg[1].id] = JobView(msg[1], tokenizer, msg[2])
+        job = job_from_wire(msg[1])
+        views[job.id] = JobView(job, tokenizer, msg[2])
     elif op == "forget":
         if msg[1] in views and views[msg[1]].job.lease == msg[2]:
             del views[msg[1]]
@@ -200,10 +207,16 @@ def _handle(msg: tuple, pub, views: dict[str, JobView], tokenizer) -> None:
         pub.release(_held(views, msg[1]), msg[2], msg[3], msg[4])
 
 
-def _held(views: dict[str, JobView], job: RunningJob) -> RunningJob:
+def _held(views: dict[str, JobView], wire: dict) -> RunningJob:
     """The job as followed here, if this is the delivery followed; else the worker's copy (it never began)."""
-    view = views.pop(job.id, None)
-    return view.job if view is not None and view.job.lease == job.lease else job
+    view = views.pop(wire["id"], None)
+    return view.job if view is not None and view.job.lease == wire["lease"] else job_from_wire(wire)
+
+
+def _load_tokenizer(folder: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def main(argv: list[str]) -> None:

@@ -11,7 +11,7 @@ Parent -> child, in order: ("setup", Setup); ("begin", job, prompt tail) when a 
 ("step", records, now); ("end" | "fail" | "release", job, ...) as Publisher's calls of the same names;
 ("forget", job id, lease) for a job dropped without a result; ("stop", timeout).
 Child -> parent: ("settled", n) finished jobs written; ("notice", kind, job id, lease) as Publisher.notices;
-("metric", name, value).
+("metric", name, value). Every message is JSON: nothing but JSON is ever decoded by the worker's processes.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import json
 import logging
 import os
 import queue
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from producer import calls
+from producer.protocol import JobRequest
 from worker.job import RunningJob
 from worker.metrics import Metrics
 
@@ -48,20 +50,37 @@ class Setup:
     queue: str
     settings: calls.WorkerSettings
     model: str
-    tokenizer: tuple[str, Any]  # ("rust", its JSON) or ("python", the tokenizer object)
+    tokenizer: tuple[str, str]  # ("rust", its JSON) or ("folder", where transformers loads it from)
     log_level: int
 
+    def to_wire(self) -> dict:
+        return dataclasses.asdict(self)
 
-def tokenizer_spec(tokenizer) -> tuple[str, Any]:
+    @classmethod
+    def from_wire(cls, d: dict) -> Setup:
+        return cls(**{**d, "settings": calls.WorkerSettings(**d["settings"]), "tokenizer": tuple(d["tokenizer"])})
+
+
+def tokenizer_spec(tokenizer) -> tuple[str, str]:
     """What the publisher process needs to decode like the engine: a fast tokenizer's Rust core as JSON (no
-    transformers import on the other side), else the tokenizer itself, pickled."""
+    transformers import on the other side), else the folder the tokenizer was loaded from."""
     rust = getattr(tokenizer, "_tokenizer", None)
-    return ("rust", rust.to_str()) if rust is not None else ("python", tokenizer)
+    return ("rust", rust.to_str()) if rust is not None else ("folder", str(tokenizer.name_or_path))
 
 
-def _snapshot(job: RunningJob) -> RunningJob:
-    # The job as it is now: the feed thread pickles it later, while the step loop goes on updating the job.
-    return dataclasses.replace(job)
+_NOT_SENT = ("request", "last", "logprobs")  # the request goes as its JSON; the others are the publisher's own
+
+
+def job_to_wire(job: RunningJob) -> dict:
+    """The job as it is now (the feed thread encodes it later, while the step loop goes on updating the job)."""
+    d = {f.name: getattr(job, f.name) for f in dataclasses.fields(job) if f.name not in _NOT_SENT}
+    d["request"] = job.request.model_dump(mode="json") if job.request is not None else None
+    return d
+
+
+def job_from_wire(d: dict) -> RunningJob:
+    request = d.pop("request")
+    return RunningJob(**d, request=JobRequest.model_validate(request) if request is not None else None)
 
 
 class PublisherProcess:
@@ -89,7 +108,7 @@ class PublisherProcess:
         os.close(up_w)
         with contextlib.suppress(OSError, AttributeError):  # a roomier pipe rides out a slow moment of the process
             fcntl.fcntl(down_w, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
-        self._send(("setup", self.setup))
+        self._send(("setup", self.setup.to_wire()))
         self.writer = threading.Thread(target=self._write, args=(Connection(down_w, readable=False),),
                                        name="pagedq-publisher-feed", daemon=True)
         self.reader = threading.Thread(target=self._read, args=(Connection(up_r, writable=False),),
@@ -103,7 +122,7 @@ class PublisherProcess:
         """A job entered the engine: its outputs follow. prompt_ids: its prompt, for the decoder's context."""
         from engine.detokenizer import CONTEXT_TOKENS
 
-        self._send(("begin", _snapshot(job), list(prompt_ids[-CONTEXT_TOKENS:])))
+        self._send(("begin", job_to_wire(job), list(prompt_ids[-CONTEXT_TOKENS:])))
 
     def step(self, items: list, now: float) -> None:
         """One engine step's outputs: [(job, RequestOutput, offset)] as Publisher.step takes them."""
@@ -113,22 +132,22 @@ class PublisherProcess:
             ends += out.finished
             text = None if out.text_deferred else out.new_text  # deferred: the publisher decodes it
             records.append((job.id, out.new_token_ids, text, out.finish_reason, out.num_cached_tokens,
-                            out.logprobs, offset))
+                            out.logprobs and [(lp, list(top.items())) for lp, top in out.logprobs], offset))
         if ends:
             self._add_acks(ends)
         self._send(("step", records, now))
 
     def end(self, job: RunningJob, status: str, finish_reason: str) -> None:
         self._add_acks(1)
-        self._send(("end", _snapshot(job), status, finish_reason))
+        self._send(("end", job_to_wire(job), status, finish_reason))
 
     def fail(self, job: RunningJob, type: str, message: str) -> None:
         self._add_acks(1)
-        self._send(("fail", _snapshot(job), type, message))
+        self._send(("fail", job_to_wire(job), type, message))
 
     def release(self, job: RunningJob, mode: str, type: str = "", message: str = "") -> None:
         self._add_acks(1)
-        self._send(("release", _snapshot(job), mode, type, message))
+        self._send(("release", job_to_wire(job), mode, type, message))
 
     def forget(self, job: RunningJob) -> None:
         """A job left the engine without a result from this worker (its lease was lost)."""
@@ -162,19 +181,18 @@ class PublisherProcess:
         self.outbox.put(msg)
 
     def _write(self, down: Connection) -> None:
-        # Whatever piled up goes in one write: one pickle and one wake-up of the process per batch of messages.
+        # Whatever piled up goes in one write: one encoding and one wake-up of the process per batch of messages.
         try:
             while True:
                 batch = [self.outbox.get()]
                 while not self.outbox.empty():
                     batch.append(self.outbox.get_nowait())
                 try:
-                    down.send(batch)
-                except OSError:
-                    raise
-                except Exception:  # a value that does not pickle: a bug, but only its own message is lost
-                    log.exception("publisher feed: a batch did not pickle; sending its messages one by one")
-                    self._send_each(down, batch)
+                    data = json.dumps(batch).encode()
+                except (TypeError, ValueError):  # a value JSON cannot hold: a bug, but only its own message is lost
+                    log.exception("publisher feed: a batch did not encode; sending its messages one by one")
+                    data = json.dumps([m for m in batch if _encodes(m)]).encode()
+                down.send_bytes(data)
                 if any(msg[0] == "stop" for msg in batch):
                     return
         except OSError:  # the process is gone: the reader tells the loop
@@ -182,22 +200,12 @@ class PublisherProcess:
         finally:
             down.close()
 
-    @staticmethod
-    def _send_each(down: Connection, batch: list) -> None:
-        for msg in batch:
-            try:
-                down.send([msg])
-            except OSError:
-                raise
-            except Exception:
-                log.exception("publisher feed: dropped a %r message that does not pickle", msg[0])
-
     # ---- replies from the publisher process -----------------------------------------------------------------
 
     def _read(self, up: Connection) -> None:
         try:
             while True:
-                msg = up.recv()
+                msg = json.loads(up.recv_bytes())
                 if msg[0] == "settled":
                     with self.cond:
                         self.pending_acks -= msg[1]
@@ -226,3 +234,12 @@ class PublisherProcess:
             m.job_done(value)
         elif name == "dead_letter":
             m.dead_letter()
+
+
+def _encodes(msg: tuple) -> bool:
+    try:
+        json.dumps(msg)
+        return True
+    except (TypeError, ValueError):
+        log.error("publisher feed: dropped a %r message that JSON cannot hold", msg[0])
+        return False
