@@ -37,7 +37,7 @@ def _follow(engine, tokenizer, prompt: list[int], params: SamplingParams, resume
     while True:
         for out in engine.step():
             assert out.text_deferred  # nothing in the step needs the text without stop strings
-            got = view.output(("r", out.new_token_ids, None, out.finish_reason, 0, None, 0), 0.0)
+            got = view.output(out.new_token_ids, None, out.finish_reason, 0, None, 0.0)
             if out.finished:
                 return out.text, got.text
 

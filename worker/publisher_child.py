@@ -19,7 +19,7 @@ from typing import Any
 
 from producer.keys import Keys
 from worker.job import RunningJob
-from worker.publisher_process import Setup, job_from_wire
+from worker.publisher_process import STOP, Setup, job_from_wire
 
 log = logging.getLogger("pagedq.worker")
 
@@ -81,8 +81,9 @@ class JobView:
             return "".join(map(self.detok.add_one, tokens))
         return self.detok.add([] if reason == "stop" else tokens, final=True)[0]
 
-    def output(self, record: tuple, now: float) -> Output:
-        _, tokens, text, reason, cached, logprobs, _ = record
+    def output(self, tokens: list[int], text: str | None, reason: str | None, cached: int, logprobs,
+               now: float) -> Output:
+        """One step's news of the job. text None: decode the tokens here; logprobs as they crossed the pipe."""
         if logprobs:  # JSON keeps no int keys: (logprob, [[token, logprob], ...]) per token
             logprobs = [(lp, dict(top)) for lp, top in logprobs]
         if text is None:
@@ -152,7 +153,7 @@ def serve(down: Connection, up: _Up) -> None:
             pub.close(PARENT_GONE_TIMEOUT_S)
             return
         for msg in batch:
-            if msg[0] == "stop":
+            if msg[0] == STOP:
                 pub.close(msg[1])
                 return
             try:
@@ -180,19 +181,7 @@ def _connect(setup: Setup):
 def _handle(msg: tuple, pub, views: dict[str, JobView], tokenizer) -> None:
     op = msg[0]
     if op == "step":
-        records, now = msg[1], msg[2]
-        items = []
-        for rec in records:
-            view = views.get(rec[0])
-            if view is None:
-                log.error("publisher: tokens for job %s, which never began here", rec[0])
-                if rec[3] is not None:
-                    pub.settled(1)  # it still held the worker's intake room
-                continue
-            items.append((view.job, view.output(rec, now), rec[6]))
-            if rec[3] is not None:
-                del views[rec[0]]
-        pub.step(items, now)
+        pub.step(_step_items(msg, views, pub), msg[1])
     elif op == "begin":
         job = job_from_wire(msg[1])
         views[job.id] = JobView(job, tokenizer, msg[2])
@@ -205,6 +194,27 @@ def _handle(msg: tuple, pub, views: dict[str, JobView], tokenizer) -> None:
         pub.fail(_held(views, msg[1]), msg[2], msg[3])
     elif op == "release":
         pub.release(_held(views, msg[1]), msg[2], msg[3], msg[4])
+
+
+def _step_items(msg: list, views: dict[str, JobView], pub) -> list:
+    """A step message -> Publisher.step's items [(job, output, offset)]."""
+    _, now, ids, tokens, cached, extras = msg
+    more = {e[0]: e[1:] for e in extras}
+    items = []
+    for i, job_id in enumerate(ids):
+        text, reason, logprobs = more.get(i, (None, None, None))
+        view = views.get(job_id)
+        if view is None:
+            log.error("publisher: tokens for job %s, which never began here", job_id)
+            if reason is not None:
+                pub.settled(1)  # it still held the worker's intake room
+            continue
+        new = [tokens[i]] if isinstance(tokens[i], int) else tokens[i]
+        offset = len(view.ids)  # the worker's count too: the tokens its stream holds before these
+        items.append((view.job, view.output(new, text, reason, cached[i], logprobs, now), offset))
+        if reason is not None:
+            del views[job_id]
+    return items
 
 
 def _held(views: dict[str, JobView], wire: dict) -> RunningJob:

@@ -8,7 +8,7 @@ spent twice the host time it spends without Redis. On a GPU the step loop is not
 millisecond of it counts.
 
 Parent -> child, in order: ("setup", Setup); ("begin", job, prompt tail) when a job enters the engine;
-("step", records, now); ("end" | "fail" | "release", job, ...) as Publisher's calls of the same names;
+("step", now, job ids, tokens, cached, extras); ("end" | "fail" | "release", job, ...) as Publisher's calls of the same names;
 ("forget", job id, lease) for a job dropped without a result; ("stop", timeout).
 Child -> parent: ("settled", n) finished jobs written; ("notice", kind, job id, lease) as Publisher.notices;
 ("metric", name, value). Every message is JSON: nothing but JSON is ever decoded by the worker's processes.
@@ -40,6 +40,8 @@ log = logging.getLogger("pagedq.worker")
 ROOT = Path(__file__).resolve().parent.parent
 DIED = "died"  # the notice the worker's loop gets when the publisher process is gone
 PIPE_BYTES = 1 << 20
+STOP = "stop"  # the last message the process gets
+_STOP_PREFIX = f'["{STOP}",'
 
 
 @dataclasses.dataclass
@@ -125,17 +127,24 @@ class PublisherProcess:
         self._send(("begin", job_to_wire(job), list(prompt_ids[-CONTEXT_TOKENS:])))
 
     def step(self, items: list, now: float) -> None:
-        """One engine step's outputs: [(job, RequestOutput, offset)] as Publisher.step takes them."""
-        records = []
+        """One engine step's outputs: [(job, RequestOutput, offset)] as Publisher.step takes them.
+
+        Sent by column (job ids, new tokens, cached prompt tokens), which encodes several times faster than a
+        record per job; the few outputs with more to say (an end, text the step decoded, logprobs) add an extra."""
+        ids, tokens, cached, extras = [], [], [], []
         ends = 0
-        for job, out, offset in items:
-            ends += out.finished
-            text = None if out.text_deferred else out.new_text  # deferred: the publisher decodes it
-            records.append((job.id, out.new_token_ids, text, out.finish_reason, out.num_cached_tokens,
-                            out.logprobs and [(lp, list(top.items())) for lp, top in out.logprobs], offset))
+        for job, out, _ in items:  # the offset is the process's to count: the tokens it has seen of the job
+            new = out.new_token_ids
+            ids.append(job.id)
+            tokens.append(new[0] if len(new) == 1 else new)
+            cached.append(out.num_cached_tokens)
+            if out.finished or out.logprobs or not out.text_deferred:  # deferred text: the process decodes it
+                ends += out.finished
+                extras.append((len(ids) - 1, None if out.text_deferred else out.new_text, out.finish_reason,
+                               out.logprobs and [(lp, list(top.items())) for lp, top in out.logprobs]))
         if ends:
             self._add_acks(ends)
-        self._send(("step", records, now))
+        self._send(("step", now, ids, tokens, cached, extras))
 
     def end(self, job: RunningJob, status: str, finish_reason: str) -> None:
         self._add_acks(1)
@@ -160,7 +169,7 @@ class PublisherProcess:
     def close(self, timeout: float = 30.0) -> None:
         """Write what is handed over, then stop; Redis errors are retried until `timeout` runs out."""
         self.closing = True
-        self._send(("stop", timeout))
+        self._send((STOP, timeout))
         if self.proc is None:
             return
         self.writer.join(5)
@@ -178,22 +187,22 @@ class PublisherProcess:
             self.metrics.pending_acks.set(self.pending_acks)
 
     def _send(self, msg: tuple) -> None:
-        self.outbox.put(msg)
+        # Encoded here, on the caller's thread: encoding on the feed thread would hold the GIL while the step loop
+        # prepares its next step.
+        try:
+            self.outbox.put(json.dumps(msg, separators=(",", ":")))
+        except (TypeError, ValueError):  # a value JSON cannot hold: a bug, but only this message is lost
+            log.exception("publisher: dropped a %r message that JSON cannot hold", msg[0])
 
     def _write(self, down: Connection) -> None:
-        # Whatever piled up goes in one write: one encoding and one wake-up of the process per batch of messages.
+        # Whatever piled up goes in one write: one wake-up of the process per batch of messages.
         try:
             while True:
                 batch = [self.outbox.get()]
                 while not self.outbox.empty():
                     batch.append(self.outbox.get_nowait())
-                try:
-                    data = json.dumps(batch).encode()
-                except (TypeError, ValueError):  # a value JSON cannot hold: a bug, but only its own message is lost
-                    log.exception("publisher feed: a batch did not encode; sending its messages one by one")
-                    data = json.dumps([m for m in batch if _encodes(m)]).encode()
-                down.send_bytes(data)
-                if any(msg[0] == "stop" for msg in batch):
+                down.send_bytes(f"[{','.join(batch)}]".encode())
+                if batch[-1].startswith(_STOP_PREFIX):
                     return
         except OSError:  # the process is gone: the reader tells the loop
             pass
@@ -234,12 +243,3 @@ class PublisherProcess:
             m.job_done(value)
         elif name == "dead_letter":
             m.dead_letter()
-
-
-def _encodes(msg: tuple) -> bool:
-    try:
-        json.dumps(msg)
-        return True
-    except (TypeError, ValueError):
-        log.error("publisher feed: dropped a %r message that JSON cannot hold", msg[0])
-        return False
