@@ -74,7 +74,7 @@ _NOT_SENT = ("request", "last", "logprobs")  # the request goes as its JSON; the
 
 
 def job_to_wire(job: RunningJob) -> dict:
-    """The job as it is now (the feed thread encodes it later, while the step loop goes on updating the job)."""
+    """The job as it is now, in values JSON holds."""
     d = {f.name: getattr(job, f.name) for f in dataclasses.fields(job) if f.name not in _NOT_SENT}
     d["request"] = job.request.model_dump(mode="json") if job.request is not None else None
     return d
