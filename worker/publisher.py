@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from json.encoder import encode_basestring
 
 import redis as redis_lib
@@ -31,56 +32,42 @@ _STOP = object()
 
 class Publisher(threading.Thread):
     def __init__(self, r: redis_lib.Redis, keys: Keys, settings: calls.WorkerSettings, model: str,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, on_settled: Callable[[int], None]) -> None:
+        """on_settled(n): n finished jobs handed over are written (or given up on), so they no longer sit in the
+        group's pending list: the worker's intake counts them until then."""
         super().__init__(name="pagedq-publisher", daemon=True)
         self.r, self.keys, self.settings = r, keys, settings
         self.worker_id, self.model, self.ttl, self.metrics = settings.worker_id, model, settings.ttl, metrics
+        self.on_settled = on_settled
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         # To the step loop: ("cancel" | "lost", job id, lease), learned from publish and renew replies.
         self.notices: queue.SimpleQueue = queue.SimpleQueue()
-        self.cond = threading.Condition()
         self.give_up_at = float("inf")
-        self.pending_acks = 0  # finished jobs handed over, not yet acked: they still sit in the group's PEL
 
     # ---- the step loop's side -------------------------------------------------------------------------------
 
     def step(self, items: list, now: float) -> None:
         """One engine step's outputs: [(job, RequestOutput, offset)], offset = the job's output tokens before
         this chunk; finished ones end their job."""
-        ends = sum(1 for _, out, _ in items if out.finished)
-        if ends:
-            self._add_acks(ends)
         self.inbox.put(("step", items, now))
 
     def end(self, job: RunningJob, status: str, finish_reason: str) -> None:
         """End a job the engine no longer runs (cancelled, expired, shut down) with its output so far."""
-        self._add_acks(1)
         self.inbox.put(("end", job, status, finish_reason, time.time()))
 
     def fail(self, job: RunningJob, type: str, message: str) -> None:
-        self._add_acks(1)
         self.inbox.put(("fail", job, ErrorInfo(type=type, message=message), time.time()))
 
     def release(self, job: RunningJob, mode: str, type: str = "", message: str = "") -> None:
         """Give a job back to the queue: "handback" (draining) or "retry" (it failed; dead-lettered once it
         used up its attempts)."""
-        self._add_acks(1)
         self.inbox.put(("release", job, mode, ErrorInfo(type=type or mode, message=message or mode), time.time()))
-
-    def wait_acks(self, below: int, timeout: float) -> None:
-        with self.cond:
-            self.cond.wait_for(lambda: self.pending_acks < below, timeout)
 
     def close(self, timeout: float = 30.0) -> None:
         """Write what is queued, then stop. Redis errors are retried until `timeout` runs out."""
         self.give_up_at = time.monotonic() + timeout
         self.inbox.put(_STOP)
         self.join(timeout + 1)
-
-    def _add_acks(self, n: int) -> None:
-        with self.cond:
-            self.pending_acks += n
-            self.metrics.pending_acks.set(self.pending_acks)
 
     # ---- the publisher thread -------------------------------------------------------------------------------
 
@@ -124,14 +111,7 @@ class Publisher(threading.Thread):
         # Items never written still count as pending acks: release them, or intake would stall.
         n = sum(1 for op in batch if op[0] != "step") + sum(
             1 for op in batch if op[0] == "step" for _, out, _ in op[1] if out.finished)
-        self.settled(n)
-
-    def settled(self, n: int) -> None:
-        """n finished jobs handed over are written (or given up on): they no longer hold intake's room."""
-        with self.cond:
-            self.pending_acks -= n
-            self.metrics.pending_acks.set(self.pending_acks)
-            self.cond.notify_all()
+        self.on_settled(n)
 
     def flush(self, batch: list) -> None:
         chunks: list[tuple[RunningJob, calls.Chunk]] = []
@@ -145,7 +125,7 @@ class Publisher(threading.Thread):
         todo += [call for _, _, call in ends]
         t = time.perf_counter()
         outs = run_calls(self.r, todo)
-        self.settled(len(ends))
+        self.on_settled(len(ends))
         self.metrics.publish_seconds.observe(time.perf_counter() - t)
         if chunks:
             self._read_acks([job for job, _ in chunks], outs.pop(0))

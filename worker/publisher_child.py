@@ -120,7 +120,6 @@ class _Up:
 def _relay_metrics(up: _Up) -> SimpleNamespace:
     """Stands in for the worker's Metrics in Publisher: each event goes up to the worker's own."""
     return SimpleNamespace(
-        pending_acks=SimpleNamespace(set=lambda value: None),  # the worker counts its own
         publish_seconds=SimpleNamespace(observe=lambda value: up("metric", "publish_seconds", value)),
         lease_lost=SimpleNamespace(inc=lambda: up("metric", "lease_lost", None)),
         job_done=lambda status: up("metric", "job_done", status),
@@ -136,13 +135,11 @@ def serve(down: Connection, up: _Up) -> None:
     kind, spec = setup.tokenizer
     tokenizer = _RustTokenizer(spec) if kind == "rust" else _load_tokenizer(spec)
 
-    class Writer(Publisher):
-        def settled(self, n: int) -> None:
-            super().settled(n)
-            if n:
-                up("settled", n)
+    def settled(n: int) -> None:
+        if n:
+            up("settled", n)
 
-    pub = Writer(_connect(setup), Keys(setup.queue), setup.settings, setup.model, _relay_metrics(up))
+    pub = Publisher(_connect(setup), Keys(setup.queue), setup.settings, setup.model, _relay_metrics(up), settled)
     pub.notices = up
     pub.start()
     views: dict[str, JobView] = {}
@@ -207,7 +204,7 @@ def _step_items(msg: list, views: dict[str, JobView], pub) -> list:
         if view is None:
             log.error("publisher: tokens for job %s, which never began here", job_id)
             if reason is not None:
-                pub.settled(1)  # it still held the worker's intake room
+                pub.on_settled(1)  # it still held the worker's intake room
             continue
         new = [tokens[i]] if isinstance(tokens[i], int) else tokens[i]
         offset = len(view.ids)  # the worker's count too: the tokens its stream holds before these

@@ -127,13 +127,13 @@ class PublisherProcess:
         self._send(("begin", job_to_wire(job), list(prompt_ids[-CONTEXT_TOKENS:])))
 
     def step(self, items: list, now: float) -> None:
-        """One engine step's outputs: [(job, RequestOutput, offset)] as Publisher.step takes them.
+        """One engine step's outputs: [(job, RequestOutput)].
 
         Sent by column (job ids, new tokens, cached prompt tokens), which encodes several times faster than a
         record per job; the few outputs with more to say (an end, text the step decoded, logprobs) add an extra."""
         ids, tokens, cached, extras = [], [], [], []
         ends = 0
-        for job, out, _ in items:  # the offset is the process's to count: the tokens it has seen of the job
+        for job, out in items:  # offsets are the process's to count: the tokens of the job it has seen
             new = out.new_token_ids
             ids.append(job.id)
             tokens.append(new[0] if len(new) == 1 else new)

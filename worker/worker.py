@@ -279,8 +279,8 @@ class Worker:
         self.engine.times.lap("publish")
 
     def _collect(self, outs: list, now: float) -> tuple[list, list, list, int]:
-        """One pass over a step's outputs -> the publisher's items [(job, output, offset)], the (job, output) pairs
-        of first tokens and of finished jobs, and the tokens generated. Runs per job per step: kept to one loop."""
+        """One pass over a step's outputs -> the publisher's items [(job, output)], the same pairs for first
+        tokens and for finished jobs, and the tokens generated. Runs per job per step: kept to one loop."""
         active = self.active
         items, firsts, ends, ntok = [], [], [], 0
         for out in outs:
@@ -294,7 +294,7 @@ class Worker:
             if out.finished:
                 del active[out.request_id]
                 ends.append((job, out))
-            items.append((job, out, job.emitted))
+            items.append((job, out))
             job.emitted += n
             ntok += n
         return items, firsts, ends, ntok
