@@ -39,6 +39,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     # CPU, bfloat16: linear weights reordered once at load into oneDNN's layout; same numbers, faster.
     prepack_weights: bool = True
+    # Launch step N+1 before building step N's outputs, so that building them (and the caller's work with them)
+    # runs during N+1's forward. None: on for CUDA, where a forward runs asynchronously; on a CPU the forward is
+    # synchronous, and the overlap would only return every output one forward later.
+    overlap_steps: bool | None = None
     cache_dir: str | None = None
     seed: int = 0
 

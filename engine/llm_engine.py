@@ -7,7 +7,10 @@ import contextlib
 import gc
 import logging
 import random
+from dataclasses import dataclass
 from operator import attrgetter
+
+import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -18,11 +21,32 @@ from engine.outputs import RequestOutput
 from engine.sampler import SamplingBatch
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence
+from engine.sequence import Sequence, Status
 from engine.stats import StepTimes
 
 log = logging.getLogger("pagedq.engine")
 _PLAIN_GREEDY = attrgetter("plain_greedy")
+ABORTED = "aborted while in flight"  # a landed row that makes no output
+
+
+@dataclass
+class InFlight:
+    """A launched step: who samples, and their tokens (and raw logprobs) still on the device."""
+
+    samplers: list[Sequence]
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+
+
+@dataclass
+class Landed:
+    """A step whose tokens are appended: what its outputs are built from."""
+
+    samplers: list[Sequence]
+    tokens: list[int]
+    reasons: list[str | None]  # finish reason per row, or ABORTED
+    texts: dict[int, str]  # new text by row, for requests with stop strings (decoded when the token landed)
+    logprobs: list[list | None] | None
 
 
 class LLMEngine:
@@ -44,6 +68,8 @@ class LLMEngine:
         self.times = StepTimes()
         self.runner.times = self.times
         self.last_batch = SchedulerOutput()  # what the latest step ran: for a worker's batch-size metrics
+        self.overlap = config.overlap_steps if config.overlap_steps is not None else self.runner.device.type == "cuda"
+        self.in_flight: InFlight | None = None
         # The model, tokenizer and cache bookkeeping live as long as the engine: out of the collector's sight,
         # full collections no longer walk them every time requests come and go.
         gc.collect()
@@ -122,7 +148,7 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.in_flight is not None or self.scheduler.has_unfinished()
 
     def num_admittable(self) -> int:
         return self.scheduler.num_admittable()
@@ -159,10 +185,26 @@ class LLMEngine:
     # ---- stepping -------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Run one step -> the outputs of the step that finished.
+
+        With overlap (the default on CUDA, where a forward only launches kernels), a call first reads the tokens
+        of the step in flight and updates its requests (finishes, stop checks), launches the next step, and only
+        then builds and returns the finished step's outputs: building them, and whatever the caller does with
+        them, runs while the device computes. Outputs come one call later, otherwise they are the same.
+        """
         self.times.start()
+        if not self.overlap:
+            self._launch()
+            return self._outputs(self._land())
+        landed = self._land()
+        self._launch()
+        return self._outputs(landed)
+
+    def _launch(self) -> None:
+        """Schedule a step and start its forward and sampling; the tokens stay on the device until _land."""
         batch = self.last_batch = self.scheduler.schedule()
         if not batch.seqs:
-            return []
+            return
         self.times.steps += 1
         if batch.num_tokens == len(batch.seqs):  # decode only: every sequence samples its next token
             samplers = batch.seqs
@@ -174,15 +216,66 @@ class LLMEngine:
         tokens, logprobs = self.runner.run(batch, sampling)
         bm = self.block_manager
         caching, bs = bm.prefix_caching, bm.block_size
+        # Progress counts at launch: the next step's forward runs after this one on the device, and the tokens of
+        # a block it fills are known now, so committing it for sharing needs nothing from the device.
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             done = seq.num_computed_tokens = seq.num_computed_tokens + n
             if caching and done // bs > len(seq.block_hashes):
                 bm.commit(seq)  # it filled a block: others may share it now
-        if logprobs.numel():
-            outputs = [self._output(seq, token, logprobs[row]) for row, (seq, token) in
-                       enumerate(zip(samplers, tokens))]
-        else:
-            outputs = list(map(self._output, samplers, tokens))
+        self.in_flight = InFlight(samplers, tokens, logprobs)
+
+    def _land(self) -> Landed | None:
+        """Wait for the step in flight, append its tokens and end the requests it finished (frees their blocks
+        before the next step is scheduled)."""
+        step, self.in_flight = self.in_flight, None
+        if step is None:
+            return None
+        tokens = step.tokens.tolist()  # on an asynchronous device: the wait for the step
+        self.times.lap("sample")
+        reasons, texts = [], {}
+        finish = self.scheduler.finish
+        for i, (seq, token) in enumerate(zip(step.samplers, tokens)):
+            if seq.status is not Status.RUNNING:  # aborted while its step ran
+                reasons.append(ABORTED)
+                continue
+            ids = seq.token_ids
+            ids.append(token)
+            reason = None
+            if token in seq.stop_ids and len(ids) >= seq.min_len:
+                reason = "stop"
+            elif len(ids) >= seq.max_len:
+                reason = "length"
+            detok = seq.detok
+            if not detok.lazy:  # stop strings: decoding now decides whether it ends
+                text, stopped = detok.add([] if reason == "stop" else [token], final=reason is not None)
+                texts[i] = text
+                if stopped:
+                    reason = "stop"
+            reasons.append(reason)
+            if reason is not None:
+                finish(seq, reason)
+        logprobs = self._logprob_entries(step, tokens) if step.logprobs.numel() else None
+        self.times.lap("update")
+        return Landed(step.samplers, tokens, reasons, texts, logprobs)
+
+    def _outputs(self, landed: Landed | None) -> list[RequestOutput]:
+        if landed is None:
+            return []
+        outputs = []
+        add = outputs.append
+        logprobs = landed.logprobs
+        for i, (seq, token, reason) in enumerate(zip(landed.samplers, landed.tokens, landed.reasons)):
+            if reason is ABORTED:
+                continue
+            detok = seq.detok
+            if detok.lazy:  # no stop strings: the text can wait for whoever reads it
+                # EOS and stop tokens are kept in token_ids but their text is not shown.
+                pos, text = detok.defer(NO_TOKEN if reason == "stop" else token, reason is not None), ""
+            else:
+                pos, text = 0, landed.texts[i]
+            ids = seq.token_ids
+            add(RequestOutput(seq.request_id, token, reason, ids, seq.num_prompt_tokens, seq.num_cached_tokens, text,
+                              detok.text, detok.sent, logprobs and logprobs[i], detok if detok.lazy else None, pos))
         self.times.lap("outputs")
         return outputs
 
@@ -200,39 +293,23 @@ class LLMEngine:
             eos_ids=sorted(self.eos_token_ids),
         )
 
-    def _output(self, seq: Sequence, token: int, logprobs=None) -> RequestOutput:
-        ids = seq.token_ids
-        ids.append(token)
-        reason = None
-        if token in seq.stop_ids and len(ids) >= seq.min_len:
-            reason = "stop"
-        elif len(ids) >= seq.max_len:
-            reason = "length"
-        detok = seq.detok
-        # EOS and stop tokens are kept in token_ids but their text is not shown.
-        shown = NO_TOKEN if reason == "stop" else token
-        if detok.lazy:  # no stop strings: the text can wait for whoever reads it
-            pos, text = detok.defer(shown, reason is not None), ""
-        else:
-            pos, (text, stopped) = 0, detok.add([] if shown == NO_TOKEN else [shown], final=reason is not None)
-            if stopped:
-                reason = "stop"
-        lp = None if logprobs is None else self._logprobs(seq.params, token, logprobs)
-        out = RequestOutput(seq.request_id, token, reason, ids, seq.num_prompt_tokens, seq.num_cached_tokens, text,
-                            detok.text, detok.sent, lp, detok if detok.lazy else None, pos)
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-        return out
-
     @staticmethod
-    def _logprobs(p: SamplingParams, token: int, logprobs) -> list | None:
-        if p.logprobs is None:
-            return None
-        top = {}
-        if p.logprobs:
-            values, ids = logprobs.topk(p.logprobs)
-            top = dict(zip(ids.tolist(), values.tolist()))
-        return [(float(logprobs[token]), top)]
+    def _logprob_entries(step: InFlight, tokens: list[int]) -> list[list | None]:
+        """Per sampled row: [(logprob of its token, {token: logprob} of its top N)], or None where not asked.
+        Read before the next step launches, so reading them does not wait for that step."""
+        entries = []
+        for row, (seq, token) in enumerate(zip(step.samplers, tokens)):
+            n = seq.params.logprobs
+            if n is None:
+                entries.append(None)
+                continue
+            lp = step.logprobs[row]
+            top = {}
+            if n:
+                values, ids = lp.topk(n)
+                top = dict(zip(ids.tolist(), values.tolist()))
+            entries.append([(float(lp[token]), top)])
+        return entries
 
     # ---- offline convenience --------------------------------------------------------------------------------
 

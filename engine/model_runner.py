@@ -143,8 +143,9 @@ class ModelRunner:
         return t(inputs.input_ids), t(inputs.positions), ctx
 
     @torch.inference_mode()
-    def run(self, batch: SchedulerOutput, sampling: SamplingBatch) -> tuple[list[int], torch.Tensor]:
-        """One forward over the batch -> sampled token per sampling row (in batch order) and raw logprobs."""
+    def run(self, batch: SchedulerOutput, sampling: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Launch one forward over the batch and its sampling -> the sampled token per sampling row (in batch
+        order) and raw logprobs, both left on the device: on CUDA this returns before the kernels have run."""
         inputs = step_inputs.build(batch, self.tables.array, self.config.block_size)
         buffers = self.decode_buffers
         if buffers is not None and inputs.decode_only and len(batch.seqs) <= buffers.max_size:
@@ -157,11 +158,10 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, ctx)
         self.times.lap("forward")
         if not len(inputs.sample_rows):
-            return [], torch.empty(0)
+            return torch.empty(0, dtype=torch.long), torch.empty(0)
         # Logits only where a token is sampled, never for the rest of a prompt.
         logits = self.model.logits(hidden[torch.from_numpy(inputs.sample_rows).to(self.device)])
         tokens, logprobs = sample(logits, sampling, self.argmax)
-        tokens = tokens.tolist()
         del logits, hidden  # freed here, in the phase that made them (a batch's logits can be hundreds of MB)
         self.times.lap("sample")
         return tokens, logprobs

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import time
 
-# publish: a worker's handing of the outputs to its publisher thread (the engine itself never charges it).
-PHASES = ("schedule", "prepare", "forward", "sample", "outputs", "publish")
+# update: a step's tokens appended and its finished requests ended, before the next step can be scheduled.
+# outputs: the step's RequestOutputs built; with overlapped steps this runs during the next forward.
+# publish: a worker's handing of the outputs to its publisher process (the engine itself never charges it).
+PHASES = ("schedule", "prepare", "forward", "sample", "update", "outputs", "publish")
 
 
 class StepTimes:

@@ -57,6 +57,8 @@ def main() -> None:
 @click.option("--num-kv-blocks", envvar="PAGEDQ_NUM_KV_BLOCKS", type=int, default=None,
               help="KV cache size in blocks; default: sized from memory")
 @click.option("--block-size", envvar="PAGEDQ_BLOCK_SIZE", type=int, default=16, help="Tokens per KV cache block")
+@click.option("--overlap-steps/--no-overlap-steps", envvar="PAGEDQ_OVERLAP_STEPS", default=None,
+              help="Launch each step before handling the last one's outputs; default: on for cuda, off for cpu")
 @click.option("--served-model-name", envvar="PAGEDQ_SERVED_MODEL_NAME", multiple=True,
               help="Names a job's `model` may use (repeatable); default: --model")
 @click.option("--result-ttl", envvar="PAGEDQ_RESULT_TTL", type=int, default=defaults.RESULT_TTL_S,
@@ -81,9 +83,9 @@ def main() -> None:
 @click.option("--worker-id", envvar="PAGEDQ_WORKER_ID", default=None, help="Default: hostname-pid-random")
 @click.option("--log-level", envvar="PAGEDQ_LOG_LEVEL", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
 def worker(redis_url, queue, model, device, dtype, max_num_seqs, max_num_batched_tokens, max_model_len,
-           num_kv_blocks, block_size, served_model_name, result_ttl, max_prompt_chars, max_tokens_limit,
-           max_metadata_bytes, drain_timeout, lease_ms, max_attempts, dlq_cap, metrics_port, heartbeat_s, worker_id,
-           log_level) -> None:
+           num_kv_blocks, block_size, overlap_steps, served_model_name, result_ttl, max_prompt_chars,
+           max_tokens_limit, max_metadata_bytes, drain_timeout, lease_ms, max_attempts, dlq_cap, metrics_port,
+           heartbeat_s, worker_id, log_level) -> None:
     """Run one worker: pull jobs from QUEUE into the engine, stream tokens and results back."""
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     _check_redis(redis_url)  # before the model: loading it takes a while, and Redis is the likelier problem
@@ -92,7 +94,8 @@ def worker(redis_url, queue, model, device, dtype, max_num_seqs, max_num_batched
 
     engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
                                     max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                                    num_kv_blocks=num_kv_blocks, block_size=block_size))
+                                    num_kv_blocks=num_kv_blocks, block_size=block_size,
+                                    overlap_steps=overlap_steps))
     cfg = WorkerConfig(redis_url=redis_url, queue=queue, result_ttl=result_ttl, drain_timeout=drain_timeout,
                        lease_ms=lease_ms, max_attempts=max_attempts, dlq_cap=dlq_cap,
                        served_models=tuple(served_model_name) or (model, engine.model_name),

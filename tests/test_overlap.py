@@ -1,0 +1,135 @@
+"""Overlapped steps (issue 10): launching step N+1 before building step N's outputs changes when outputs arrive,
+never what they are. Forced on here; on a CPU it is off by default because the forward is synchronous."""
+
+import threading
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+
+PROMPTS = ["Hello there, how are you?", "The capital of France is", "a", "Once upon a time, in a land far away",
+           "def fib(n):", "你好，世界！", "Q: What is 2 + 2?\nA:", "The quick brown fox"]
+
+
+def make(path: str, overlap: bool, **kw) -> LLMEngine:
+    cfg = dict(model=path, max_num_seqs=8, max_num_batched_tokens=64, block_size=8, num_kv_blocks=64,
+               overlap_steps=overlap)
+    return LLMEngine(EngineConfig(**(cfg | kw)))
+
+
+def run(engine: LLMEngine, requests: list[tuple[int, str, SamplingParams]]) -> tuple[dict[str, list], list]:
+    """requests: (arrival step, prompt, params), added once that many steps have run -> each request's outputs,
+    step by step, as (new tokens, new text, finish reason, logprobs), with its final text and token ids; and
+    every batch the scheduler made."""
+    seen: dict[str, list] = {f"r{i}": [] for i in range(len(requests))}
+    batches = []
+    schedule = engine.scheduler.schedule
+
+    def spy():
+        batch = schedule()
+        if batch.seqs:
+            batches.append([(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)])
+        return batch
+
+    engine.scheduler.schedule = spy
+    calls = 0
+    while calls == 0 or engine.has_unfinished_requests() or any(a >= calls for a, _, _ in requests):
+        for i, (arrival, prompt, params) in enumerate(requests):
+            if arrival == calls:
+                engine.add_request(f"r{i}", prompt=prompt, params=params)
+        calls += 1
+        for out in engine.step():
+            events = seen[out.request_id]
+            assert not events or not events[-1][2], f"{out.request_id}: an output after its last"
+            events.append((out.new_token_ids, out.new_text, out.finish_reason, out.logprobs))
+            if out.finished:
+                events.append((out.token_ids, out.text))
+    assert engine.num_free_blocks == engine.num_total_blocks
+    return seen, batches
+
+
+def mixed_requests(path: str) -> list[tuple[int, str, SamplingParams]]:
+    # A stop string and a stop token this model actually produces, read from a plain run.
+    probe = make(path, overlap=False).generate([PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0))[0]
+    stop_text, stop_token = probe.text[6:8], probe.token_ids[5]
+    assert stop_text
+    plain = SamplingParams(max_tokens=20, temperature=0)
+    return [
+        (0, PROMPTS[0], plain),
+        (0, PROMPTS[0], SamplingParams(max_tokens=24, temperature=0, stop=[stop_text])),
+        (0, PROMPTS[0], SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[stop_token])),
+        (1, PROMPTS[1], SamplingParams(max_tokens=17, temperature=0.9, top_p=0.9, seed=7)),
+        (1, PROMPTS[2], SamplingParams(max_tokens=12, temperature=0, logprobs=3)),
+        (2, PROMPTS[3], SamplingParams(max_tokens=15, temperature=0, min_tokens=5, repetition_penalty=1.3)),
+        (3, PROMPTS[4], SamplingParams(max_tokens=1, temperature=0)),
+        (3, PROMPTS[5], SamplingParams(max_tokens=30, temperature=0.7, top_k=20, seed=3)),
+        (5, PROMPTS[6], plain),
+        (9, PROMPTS[7], SamplingParams(max_tokens=9, temperature=0, stop=[stop_text, "\n"])),
+    ]
+
+
+def test_overlap_is_off_on_a_cpu_unless_asked(pq_tiny_model):
+    assert LLMEngine(EngineConfig(model=pq_tiny_model, num_kv_blocks=16)).overlap is False
+
+
+@pytest.mark.parametrize("blocks", [64, 14], ids=["roomy", "preempting"])
+def test_overlapped_steps_give_the_same_outputs(pq_tiny_model, blocks):
+    requests = mixed_requests(pq_tiny_model)
+    plain, plain_batches = run(make(pq_tiny_model, overlap=False, num_kv_blocks=blocks), requests)
+    overlapped, overlapped_batches = run(make(pq_tiny_model, overlap=True, num_kv_blocks=blocks), requests)
+    assert overlapped == plain
+    # A finished request has left before the next step is scheduled: overlap computes no token it throws away.
+    assert overlapped_batches == plain_batches
+    reasons = {events[-2][2] for events in plain.values()}
+    assert reasons == {"stop", "length"}  # stop tokens, stop strings and lengths all ended something
+
+
+def test_overlapped_outputs_arrive_one_call_later(pq_tiny_model):
+    engine = make(pq_tiny_model, overlap=True)
+    engine.add_request("a", prompt=PROMPTS[0], params=SamplingParams(max_tokens=2, temperature=0))
+    assert engine.step() == []  # the prefill is launched; its token lands at the next call
+    first = engine.step()
+    assert [o.request_id for o in first] == ["a"] and not first[0].finished
+    last = engine.step()
+    assert last[0].finished and len(last[0].token_ids) == 2
+    assert engine.step() == [] and not engine.has_unfinished_requests()
+
+
+def test_a_request_aborted_while_its_step_runs_gets_no_more_outputs(pq_tiny_model):
+    engine = make(pq_tiny_model, overlap=True)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    for rid in "abc":
+        engine.add_request(rid, prompt=PROMPTS[0], params=params)
+    engine.step()
+    engine.step()  # first tokens out; the second decode step is in flight with b in it
+    assert engine.abort("b")
+    assert engine.num_running == 2
+    later = []
+    while engine.has_unfinished_requests():
+        later += engine.step()
+    assert "b" not in {o.request_id for o in later}
+    assert sorted(o.request_id for o in later if o.finished) == ["a", "c"]
+    assert engine.num_free_blocks == engine.num_total_blocks
+
+
+def test_a_worker_serves_overlapped_steps(redis_url, queue, pq_tiny_model):
+    from producer import Client
+    from worker.worker import Worker, WorkerConfig
+
+    requests = mixed_requests(pq_tiny_model)[:3]
+    want = make(pq_tiny_model, overlap=False).generate([p for _, p, _ in requests], [s for _, _, s in requests])
+    w = Worker(make(pq_tiny_model, overlap=True), WorkerConfig(redis_url=redis_url, queue=queue, block_ms=100))
+    loop = threading.Thread(target=w.run, daemon=True)
+    loop.start()
+    try:
+        with Client(redis_url, queue=queue) as c:
+            jobs = c.submit_many([{"prompt": p, "max_tokens": s.max_tokens, "temperature": 0, "stop": s.stop,
+                                   "stop_token_ids": s.stop_token_ids} for _, p, s in requests])
+            for job, ref in zip(jobs, want):
+                res = job.result(timeout=60)
+                assert (res.token_ids, res.text, res.finish_reason) == (ref.token_ids, ref.text, ref.finish_reason)
+                streamed = list(job.stream(timeout=5))
+                assert "".join(e.text for e in streamed if e.text) == ref.text
+    finally:
+        w.stop()
+        loop.join(30)
