@@ -176,12 +176,12 @@ def chart(data: dict, path: Path) -> Path:
         rows = [r for r in data["results"] if r["path"] == p]
         labels = [str(r["sequences"]) for r in rows]
         bottom = [0.0] * len(rows)
-        for phase in HOST_PHASES:
+        for phase in HOST_PHASES:  # the CRITICAL_PHASES come first: they stack at the bottom, solid
             vals = [r["phases_ms"][phase] for r in rows]
-            ax.bar(labels, vals, bottom=bottom, label=phase)
+            ax.bar(labels, vals, bottom=bottom, label=phase, hatch=None if phase in CRITICAL_PHASES else "//")
             bottom = [b + v for b, v in zip(bottom, vals)]
-        ax.bar(labels, [r["other_ms"] for r in rows], bottom=bottom, label="other")
-        ax.set_title(f"host ms per decode step ({p})")
+        ax.bar(labels, [r["other_ms"] for r in rows], bottom=bottom, label="other", hatch="//")
+        ax.set_title(f"host ms per decode step ({p})\nsolid: between forwards; hatched: overlapped", fontsize=10)
         ax.set_xlabel("running sequences")
         ax.set_ylabel("ms")
         ax.legend(fontsize=8)
