@@ -233,10 +233,10 @@ class LLMEngine:
         tokens = step.tokens.tolist()  # on an asynchronous device: the wait for the step
         self.times.lap("sample")
         reasons, texts = [], {}
-        finish = self.scheduler.finish
+        finish, add_reason, running = self.scheduler.finish, reasons.append, Status.RUNNING  # bound once: per row
         for i, (seq, token) in enumerate(zip(step.samplers, tokens)):
-            if seq.status is not Status.RUNNING:  # aborted while its step ran
-                reasons.append(ABORTED)
+            if seq.status is not running:  # aborted while its step ran
+                add_reason(ABORTED)
                 continue
             ids = seq.token_ids
             ids.append(token)
@@ -251,7 +251,7 @@ class LLMEngine:
                 texts[i] = text
                 if stopped:
                     reason = "stop"
-            reasons.append(reason)
+            add_reason(reason)
             if reason is not None:
                 finish(seq, reason)
         logprobs = self._logprob_entries(step, tokens) if step.logprobs.numel() else None
