@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from engine.block_tables import BlockTables
-from engine.sequence import Sequence
+from engine.sequence import PLACEHOLDER, Sequence
 
 
 class BlockManager:
@@ -93,13 +93,17 @@ class BlockManager:
             seq.block_table.extend(new)
 
     def commit(self, seq: Sequence) -> None:
-        """After a forward: register the blocks that the computed tokens have filled, so others can share them."""
+        """After a forward: register the blocks that the computed tokens have filled, so others can share them.
+        A block that still holds a PLACEHOLDER (a token on its way from the device) waits for a later commit."""
         if not self.prefix_caching:
             return
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            if PLACEHOLDER in tokens:
+                return
             prev = seq.block_hashes[-1] if seq.block_hashes else 0
-            h = hash((prev, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
+            h = hash((prev, tokens))
             seq.block_hashes.append(h)
             block = seq.block_table[i]
             if self.block_hash[block] is None:

@@ -7,6 +7,7 @@ import contextlib
 import gc
 import logging
 import random
+from collections import deque
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -21,30 +22,48 @@ from engine.outputs import RequestOutput
 from engine.sampler import SamplingBatch
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence, Status
+from engine.sequence import PLACEHOLDER, Sequence, Status
 from engine.stats import StepTimes
+from engine.step_inputs import Feed
 
 log = logging.getLogger("pagedq.engine")
 _PLAIN_GREEDY = attrgetter("plain_greedy")
-ABORTED = "aborted while in flight"  # a landed row that makes no output
+GONE = "gone"  # a landed row that makes no output: its request ended while the step ran
 
 
 @dataclass
 class InFlight:
-    """A launched step: who samples, and their tokens (and raw logprobs) still on the device."""
+    """A launched step: who samples, where each token goes in its token_ids, and the tokens (and raw logprobs)
+    still on the device, with their copy on the way to the host."""
 
     samplers: list[Sequence]
-    tokens: torch.Tensor
+    positions: list[int]
+    copy: tuple[torch.Tensor, torch.Tensor, object]  # (device tokens, host tokens, the copy's event or None)
     logprobs: torch.Tensor
+    feeds_ahead: bool  # no row needs its token on the host before the next step is sampled (logprobs, penalties)
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.copy[0]
+
+    def host_tokens(self) -> list[int]:
+        _, host, event = self.copy
+        if event is not None:
+            event.synchronize()
+        return host.tolist()
+
+    def row_of(self) -> dict[Sequence, int]:
+        return {seq: row for row, seq in enumerate(self.samplers)}
 
 
 @dataclass
 class Landed:
-    """A step whose tokens are appended: what its outputs are built from."""
+    """A step whose tokens are written in: what its outputs are built from."""
 
     samplers: list[Sequence]
+    positions: list[int]
     tokens: list[int]
-    reasons: list[str | None]  # finish reason per row, or ABORTED
+    reasons: list[str | None]  # finish reason per row, or GONE
     texts: dict[int, str]  # new text by row, for requests with stop strings (decoded when the token landed)
     logprobs: list[list | None] | None
 
@@ -69,7 +88,7 @@ class LLMEngine:
         self.runner.times = self.times
         self.last_batch = SchedulerOutput()  # what the latest step ran: for a worker's batch-size metrics
         self.overlap = config.overlap_steps if config.overlap_steps is not None else self.runner.device.type == "cuda"
-        self.in_flight: InFlight | None = None
+        self.in_flight: deque[InFlight] = deque()  # launched steps not yet landed, oldest first (at most two)
         # The model, tokenizer and cache bookkeeping live as long as the engine: out of the collector's sight,
         # full collections no longer walk them every time requests come and go.
         gc.collect()
@@ -148,7 +167,7 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.in_flight is not None or self.scheduler.has_unfinished()
+        return bool(self.in_flight) or self.scheduler.has_unfinished()
 
     def num_admittable(self) -> int:
         return self.scheduler.num_admittable()
@@ -187,24 +206,33 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step -> the outputs of the step that finished.
 
-        With overlap (the default on CUDA, where a forward only launches kernels), a call first reads the tokens
-        of the step in flight and updates its requests (finishes, stop checks), launches the next step, and only
-        then builds and returns the finished step's outputs: building them, and whatever the caller does with
-        them, runs while the device computes. Outputs come one call later, otherwise they are the same.
+        With overlap (the default on CUDA, where a forward only launches kernels) a call schedules and launches
+        the next step while the one before it is still in flight, its sampled tokens fed to the new step's inputs
+        on the device; then it waits for the older step, appends its tokens, ends what it finished, and builds its
+        outputs. All of that, and whatever the caller does with the outputs, runs while the device computes.
+        Outputs come one call later; what they are does not change. A request that ends at a step was already
+        scheduled into the next one: that row's token is dropped.
         """
         self.times.start()
         if not self.overlap:
             self._launch()
             return self._outputs(self._land())
-        landed = self._land()
-        self._launch()
-        return self._outputs(landed)
+        if self.in_flight and not self.in_flight[-1].feeds_ahead:  # its tokens are needed on the host first
+            landed = self._land()
+            self._launch()
+            return self._outputs(landed)
+        launched = self._launch()
+        return self._outputs(self._land() if len(self.in_flight) > 1 or not launched else None)
 
-    def _launch(self) -> None:
-        """Schedule a step and start its forward and sampling; the tokens stay on the device until _land."""
+    def _launch(self) -> bool:
+        """Schedule a step and start its forward and sampling -> whether there was anything to run.
+
+        Each sampling request gets a PLACEHOLDER where its token will go (none when that token is its last), so
+        the scheduler, the block manager and the next step's inputs see it as one token longer; _land writes the
+        token in. A request whose token is still in flight takes it, as its next input, from the device."""
         batch = self.last_batch = self.scheduler.schedule()
         if not batch.seqs:
-            return
+            return False
         self.times.steps += 1
         if batch.num_tokens == len(batch.seqs):  # decode only: every sequence samples its next token
             samplers = batch.seqs
@@ -212,38 +240,63 @@ class LLMEngine:
             samplers = [s for s, n in zip(batch.seqs, batch.num_new_tokens)
                         if s.num_computed_tokens + n == len(s.token_ids)]
         sampling = self._sampling(samplers)
+        feed = self._feed(batch) if self.in_flight else None
         self.times.lap("schedule")
-        tokens, logprobs = self.runner.run(batch, sampling)
+        tokens, logprobs = self.runner.run(batch, sampling, feed)
         bm = self.block_manager
         caching, bs = bm.prefix_caching, bm.block_size
-        # Progress counts at launch: the next step's forward runs after this one on the device, and the tokens of
-        # a block it fills are known now, so committing it for sharing needs nothing from the device.
+        # Progress counts at launch: the next step's forward runs after this one on the device. A block it fills
+        # is committed for sharing once none of its tokens is a placeholder.
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             done = seq.num_computed_tokens = seq.num_computed_tokens + n
             if caching and done // bs > len(seq.block_hashes):
-                bm.commit(seq)  # it filled a block: others may share it now
-        self.in_flight = InFlight(samplers, tokens, logprobs)
+                bm.commit(seq)
+        positions = []
+        add_position = positions.append
+        for seq in samplers:
+            ids = seq.token_ids
+            add_position(len(ids))
+            if len(ids) + 1 < seq.max_len:
+                ids.append(PLACEHOLDER)
+        feeds_ahead = sampling.greedy_only or not any(p.logprobs is not None or p.uses_history
+                                                      for p in sampling.params)
+        self.in_flight.append(InFlight(samplers, positions, self.runner.to_host(tokens), logprobs, feeds_ahead))
+        return True
+
+    def _feed(self, batch: SchedulerOutput) -> Feed | None:
+        """The rows of batch whose input is a token of the step in flight, and where it is in that step."""
+        row_of = self.in_flight[-1].row_of()
+        rows, sources = [], []
+        for row, seq in enumerate(batch.seqs):
+            source = row_of.get(seq)
+            if source is not None:
+                rows.append(row)
+                sources.append(source)
+        return Feed(rows, self.in_flight[-1].tokens, sources) if rows else None
 
     def _land(self) -> Landed | None:
-        """Wait for the step in flight, append its tokens and end the requests it finished (frees their blocks
-        before the next step is scheduled)."""
-        step, self.in_flight = self.in_flight, None
-        if step is None:
+        """Wait for the oldest step in flight, write its tokens in, and end the requests it finished (their blocks
+        are free for the next step scheduled)."""
+        if not self.in_flight:
             return None
-        tokens = step.tokens.tolist()  # on an asynchronous device: the wait for the step
+        step = self.in_flight.popleft()
+        tokens = step.host_tokens()  # on an asynchronous device: the wait for the step
         self.times.lap("sample")
         reasons, texts = [], {}
-        finish, add_reason, running = self.scheduler.finish, reasons.append, Status.RUNNING  # bound once: per row
-        for i, (seq, token) in enumerate(zip(step.samplers, tokens)):
-            if seq.status is not running:  # aborted while its step ran
-                add_reason(ABORTED)
+        finish, add_reason, finished = self.scheduler.finish, reasons.append, Status.FINISHED  # bound once: per row
+        for i, (seq, token, pos) in enumerate(zip(step.samplers, tokens, step.positions)):
+            if seq.status is finished:  # aborted while its step ran, or ended by the step before
+                add_reason(GONE)
                 continue
             ids = seq.token_ids
-            ids.append(token)
+            if pos < len(ids):
+                ids[pos] = token
+            else:
+                ids.append(token)
             reason = None
-            if token in seq.stop_ids and len(ids) >= seq.min_len:
+            if token in seq.stop_ids and pos >= seq.min_len - 1:
                 reason = "stop"
-            elif len(ids) >= seq.max_len:
+            elif pos >= seq.max_len - 1:
                 reason = "length"
             detok = seq.detok
             if not detok.lazy:  # stop strings: decoding now decides whether it ends
@@ -256,7 +309,7 @@ class LLMEngine:
                 finish(seq, reason)
         logprobs = self._logprob_entries(step, tokens) if step.logprobs.numel() else None
         self.times.lap("update")
-        return Landed(step.samplers, tokens, reasons, texts, logprobs)
+        return Landed(step.samplers, step.positions, tokens, reasons, texts, logprobs)
 
     def _outputs(self, landed: Landed | None) -> list[RequestOutput]:
         if landed is None:
@@ -264,18 +317,19 @@ class LLMEngine:
         outputs = []
         add = outputs.append
         logprobs = landed.logprobs
-        for i, (seq, token, reason) in enumerate(zip(landed.samplers, landed.tokens, landed.reasons)):
-            if reason is ABORTED:
+        for i, (seq, pos, token, reason) in enumerate(zip(landed.samplers, landed.positions, landed.tokens,
+                                                          landed.reasons)):
+            if reason is GONE:
                 continue
             detok = seq.detok
             if detok.lazy:  # no stop strings: the text can wait for whoever reads it
                 # EOS and stop tokens are kept in token_ids but their text is not shown.
-                pos, text = detok.defer(NO_TOKEN if reason == "stop" else token, reason is not None), ""
+                at, text = detok.defer(NO_TOKEN if reason == "stop" else token, reason is not None), ""
             else:
-                pos, text = 0, landed.texts[i]
-            ids = seq.token_ids
-            add(RequestOutput(seq.request_id, token, reason, ids, seq.num_prompt_tokens, seq.num_cached_tokens, text,
-                              detok.text, detok.sent, logprobs and logprobs[i], detok if detok.lazy else None, pos))
+                at, text = 0, landed.texts[i]
+            add(RequestOutput(seq.request_id, token, reason, seq.token_ids, pos + 1, seq.num_prompt_tokens,
+                              seq.num_cached_tokens, text, detok.text, detok.sent, logprobs and logprobs[i],
+                              detok if detok.lazy else None, at))
         self.times.lap("outputs")
         return outputs
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 from transformers import AutoConfig
 
@@ -17,7 +18,7 @@ from engine.packed_linear import pack_linears
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import SchedulerOutput
 from engine.stats import StepTimes
-from engine.step_inputs import StepInputs
+from engine.step_inputs import Feed, StepInputs
 from kernels import get_backend, torch_ops
 
 log = logging.getLogger("pagedq.engine")
@@ -143,25 +144,45 @@ class ModelRunner:
         return t(inputs.input_ids), t(inputs.positions), ctx
 
     @torch.inference_mode()
-    def run(self, batch: SchedulerOutput, sampling: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, batch: SchedulerOutput, sampling: SamplingBatch, feed: Feed | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
         """Launch one forward over the batch and its sampling -> the sampled token per sampling row (in batch
-        order) and raw logprobs, both left on the device: on CUDA this returns before the kernels have run."""
+        order) and raw logprobs, both left on the device: on CUDA this returns before the kernels have run.
+        feed: rows whose input token is still on the device (sampled by the step before, not yet landed)."""
         inputs = step_inputs.build(batch, self.tables.array, self.config.block_size)
         buffers = self.decode_buffers
-        if buffers is not None and inputs.decode_only and len(batch.seqs) <= buffers.max_size:
+        padded = buffers is not None and inputs.decode_only and len(batch.seqs) <= buffers.max_size
+        if padded:
             size = buffers.load(inputs)
-            self.times.lap("prepare")
-            hidden = self.graphs.replay(size) if self.graphs is not None else self.model(*buffers.inputs(size, self.ops))
+            input_ids = buffers.input_ids
         else:
             input_ids, positions, ctx = self._tensors(inputs)
-            self.times.lap("prepare")
+        if feed is not None:
+            # A fed row has one new token, so its token row is where its query starts.
+            rows = torch.from_numpy(inputs.query_start_loc[feed.rows].astype(np.int64)).to(self.device)
+            input_ids[rows] = feed.tokens[torch.tensor(feed.sources, device=feed.tokens.device)]
+        self.times.lap("prepare")
+        if padded:
+            hidden = self.graphs.replay(size) if self.graphs is not None else self.model(*buffers.inputs(size, self.ops))
+        else:
             hidden = self.model(input_ids, positions, ctx)
         self.times.lap("forward")
         if not len(inputs.sample_rows):
-            return torch.empty(0, dtype=torch.long), torch.empty(0)
+            return torch.empty(0, dtype=torch.long, device=self.device), torch.empty(0)
         # Logits only where a token is sampled, never for the rest of a prompt.
         logits = self.model.logits(hidden[torch.from_numpy(inputs.sample_rows).to(self.device)])
         tokens, logprobs = sample(logits, sampling, self.argmax)
         del logits, hidden  # freed here, in the phase that made them (a batch's logits can be hundreds of MB)
         self.times.lap("sample")
         return tokens, logprobs
+
+    def to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """Start copying sampled tokens to the host -> (device tokens, host tokens, an event to wait on or None).
+        Queued right behind the step, so waiting for it never waits for a step launched after."""
+        if tokens.device.type != "cuda":
+            return tokens, tokens, None
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return tokens, host, event

@@ -19,7 +19,7 @@ class RequestOutput:
                  "num_cached_tokens", "logprobs", "_ids", "_ids_start", "_ids_end", "_new_text", "_text",
                  "_text_end", "_detok", "_pos")
 
-    def __init__(self, request_id: str, token: int, finish_reason: str | None, all_ids: list[int],
+    def __init__(self, request_id: str, token: int, finish_reason: str | None, all_ids: list[int], ids_end: int,
                  num_prompt_tokens: int, num_cached_tokens: int, new_text: str, text: str, text_end: int,
                  logprobs: list[tuple[float, dict[int, float]]] | None = None, detok=None, pos: int = 0) -> None:
         # Positional and flat: one is built per running request per step, so its cost is per-token cost.
@@ -30,10 +30,11 @@ class RequestOutput:
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = num_cached_tokens
         self.logprobs = logprobs
-        # all_ids: prompt + output, only ever appended to; text: an immutable str, so both slices are snapshots.
+        # all_ids: prompt + output, written in order (a later step's placeholder past ids_end may be there
+        # already); text: an immutable str. So both slices are snapshots.
         self._ids = all_ids
         self._ids_start = num_prompt_tokens
-        self._ids_end = len(all_ids)
+        self._ids_end = ids_end
         self._new_text = new_text
         self._text = text
         self._text_end = text_end

@@ -94,6 +94,9 @@ class Scheduler:
             seq = running[i]
             done = seq.num_computed_tokens
             n = len(seq.token_ids) - done
+            if n == 0:  # its last token is still in flight (overlapped steps): nothing to run until it lands
+                i += 1
+                continue
             if n > budget:
                 n = budget
             if done + n <= len(seq.block_table) * bs:  # its blocks hold it: the common decode

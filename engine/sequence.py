@@ -8,6 +8,8 @@ from enum import Enum, auto
 from engine.sampling_params import SamplingParams
 
 _arrivals = itertools.count()
+# In token_ids, where a sampled token still on the device will go (overlapped steps): never a token id, never hashed.
+PLACEHOLDER = -1
 
 
 class Status(Enum):

@@ -6,8 +6,19 @@ from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
+import torch
 
 from engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class Feed:
+    """Batch rows whose input token is still on the device (sampled by the step in flight, overlapped steps):
+    tokens[sources[i]] is the input of rows[i]."""
+
+    rows: list[int]
+    tokens: torch.Tensor
+    sources: list[int]
 
 
 @dataclass
