@@ -80,6 +80,8 @@ class ModelRunner:
         # with the host: the Triton ones).
         self.times = StepTimes()  # the engine shares its own
         self.tables = BlockTables()  # the block manager's, once it exists
+        self._last_seqs: list | None = None  # the previous step's sequences and inputs (see _steady_after)
+        self._last_inputs: StepInputs | None = None
         self.decode_buffers: DecodeBuffers | None = None
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager and getattr(self.ops, "GRAPH_SAFE", False):
@@ -149,7 +151,9 @@ class ModelRunner:
         """Launch one forward over the batch and its sampling -> the sampled token per sampling row (in batch
         order) and raw logprobs, both left on the device: on CUDA this returns before the kernels have run.
         feed: rows whose input token is still on the device (sampled by the step before, not yet landed)."""
-        inputs = step_inputs.build(batch, self.tables.array, self.config.block_size)
+        inputs = step_inputs.build(batch, self.tables.array, self.config.block_size, self._steady_after(batch),
+                                   feed is not None and feed.rows is None)
+        self._last_seqs, self._last_inputs = batch.seqs, inputs
         buffers = self.decode_buffers
         padded = buffers is not None and inputs.decode_only and len(batch.seqs) <= buffers.max_size
         if padded:
@@ -157,10 +161,12 @@ class ModelRunner:
             input_ids = buffers.input_ids
         else:
             input_ids, positions, ctx = self._tensors(inputs)
-        if feed is not None:
+        if feed is not None and feed.rows is None:  # a decode step of the same requests: one copy
+            input_ids[: len(feed.tokens)].copy_(feed.tokens)
+        elif feed is not None:
             # A fed row has one new token, so its token row is where its query starts.
             rows = torch.from_numpy(inputs.query_start_loc[feed.rows].astype(np.int64)).to(self.device)
-            input_ids[rows] = feed.tokens[torch.tensor(feed.sources, device=feed.tokens.device)]
+            input_ids[rows] = feed.tokens[torch.from_numpy(feed.sources).to(self.device)]
         self.times.lap("prepare")
         if padded:
             hidden = self.graphs.replay(size) if self.graphs is not None else self.model(*buffers.inputs(size, self.ops))
@@ -175,6 +181,13 @@ class ModelRunner:
         del logits, hidden  # freed here, in the phase that made them (a batch's logits can be hundreds of MB)
         self.times.lap("sample")
         return tokens, logprobs
+
+    def _steady_after(self, batch: SchedulerOutput) -> StepInputs | None:
+        """The previous step's inputs if this step decodes the same sequences, in the same order, right after
+        that step decoded them (each is then exactly one token further)."""
+        last = self._last_inputs
+        both_decode = last is not None and last.decode_only and batch.num_tokens == len(batch.seqs)
+        return last if both_decode and batch.seqs == self._last_seqs else None
 
     def to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, object]:
         """Start copying sampled tokens to the host -> (device tokens, host tokens, an event to wait on or None).

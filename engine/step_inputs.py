@@ -9,16 +9,17 @@ import numpy as np
 import torch
 
 from engine.scheduler import SchedulerOutput
+from engine.sequence import PLACEHOLDER
 
 
 @dataclass
 class Feed:
     """Batch rows whose input token is still on the device (sampled by the step in flight, overlapped steps):
-    tokens[sources[i]] is the input of rows[i]."""
+    tokens[sources[i]] is the input of rows[i]. rows None: every row, tokens[i] the input of row i."""
 
-    rows: list[int]
+    rows: np.ndarray | None
     tokens: torch.Tensor
-    sources: list[int]
+    sources: np.ndarray | None
 
 
 @dataclass
@@ -30,14 +31,21 @@ class StepInputs:
     seq_lens: np.ndarray  # int32 [B]: tokens in the cache after this step, the new ones included
     block_table: np.ndarray  # int32 [B, W]
     sample_rows: np.ndarray  # int64: the token rows whose logits are sampled (a sequence's last token)
+    table_rows: np.ndarray  # int64 [B]: each sequence's row in the block-table array
 
     @property
     def decode_only(self) -> bool:
         return len(self.input_ids) == len(self.seq_lens)
 
 
-def build(batch: SchedulerOutput, tables: np.ndarray, block_size: int) -> StepInputs:
-    """`tables`: the block-table array (BlockManager.tables.array) whose rows the batch's sequences hold."""
+def build(batch: SchedulerOutput, tables: np.ndarray, block_size: int, after: StepInputs | None = None,
+          fed: bool = False) -> StepInputs:
+    """`tables`: the block-table array (BlockManager.tables.array) whose rows the batch's sequences hold.
+    after: the previous step's inputs, when both steps decode the same sequences in the same order (the steady
+    state): positions and table rows then come from it, one token further, without reading every sequence.
+    fed: the input ids come from the device (Feed), so they are not read from the sequences."""
+    if after is not None:
+        return _next_decode(batch, tables, block_size, after, fed)
     seqs = batch.seqs
     b = len(seqs)
     n = np.array(batch.num_new_tokens, dtype=np.int64)
@@ -59,4 +67,17 @@ def build(batch: SchedulerOutput, tables: np.ndarray, block_size: int) -> StepIn
         total = np.fromiter((s.num_tokens for s in seqs), np.int64, b)
         sample_rows = (qsl[1:] - 1)[end == total]
     slots = table[token_rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    return StepInputs(ids, positions, slots, qsl, end.astype(np.int32), table, sample_rows)
+    return StepInputs(ids, positions, slots, qsl, end.astype(np.int32), table, sample_rows, rows)
+
+
+def _next_decode(batch: SchedulerOutput, tables: np.ndarray, block_size: int, after: StepInputs,
+                 fed: bool) -> StepInputs:
+    seqs = batch.seqs
+    b = len(seqs)
+    positions = after.positions + 1
+    seq_lens = after.seq_lens + 1
+    table = tables[after.table_rows, : -(-int(seq_lens.max()) // block_size)]
+    token_rows = np.arange(b)
+    ids = np.full(b, PLACEHOLDER, np.int64) if fed else np.fromiter((s.token_ids[-1] for s in seqs), np.int64, b)
+    slots = table[token_rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    return StepInputs(ids, positions, slots, after.query_start_loc, seq_lens, table, token_rows, after.table_rows)

@@ -29,7 +29,7 @@ def decode_inputs(ids, positions, slots, seq_lens, tables) -> StepInputs:
     n = len(ids)
     return StepInputs(np.array(ids, dtype=np.int64), np.array(positions, dtype=np.int64),
                       np.array(slots, dtype=np.int64), np.arange(n + 1, dtype=np.int32),
-                      np.array(seq_lens, dtype=np.int32), table, np.arange(n))
+                      np.array(seq_lens, dtype=np.int32), table, np.arange(n), np.arange(n))
 
 
 def test_padding_rows_write_no_slot_and_read_nothing():
