@@ -327,8 +327,7 @@ class LLMEngine:
                 at, text = detok.defer(NO_TOKEN if reason == "stop" else token, reason is not None), ""
             else:
                 at, text = 0, landed.texts[i]
-            add(RequestOutput(seq.request_id, token, reason, seq.token_ids, pos + 1, seq.num_prompt_tokens,
-                              seq.num_cached_tokens, text, detok.text, detok.sent, logprobs and logprobs[i],
+            add(RequestOutput(seq, token, reason, pos + 1, text, detok.text, detok.sent, logprobs and logprobs[i],
                               detok if detok.lazy else None, at))
         self.times.lap("outputs")
         return outputs

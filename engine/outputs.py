@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.sequence import Sequence
+
 
 class RequestOutput:
     """One request's news from one step, and its running totals.
@@ -15,31 +20,42 @@ class RequestOutput:
     request's detokenizer defers decoding (no stop strings), new_text and text are decoded on first read.
     """
 
-    __slots__ = ("request_id", "new_token_ids", "finished", "finish_reason", "num_prompt_tokens",
-                 "num_cached_tokens", "logprobs", "_ids", "_ids_start", "_ids_end", "_new_text", "_text",
+    __slots__ = ("_seq", "new_token_ids", "finish_reason", "logprobs", "_ids_end", "_new_text", "_text",
                  "_text_end", "_detok", "_pos")
 
-    def __init__(self, request_id: str, token: int, finish_reason: str | None, all_ids: list[int], ids_end: int,
-                 num_prompt_tokens: int, num_cached_tokens: int, new_text: str, text: str, text_end: int,
-                 logprobs: list[tuple[float, dict[int, float]]] | None = None, detok=None, pos: int = 0) -> None:
-        # Positional and flat: one is built per running request per step, so its cost is per-token cost.
-        self.request_id = request_id
+    def __init__(self, seq: Sequence, token: int, finish_reason: str | None, ids_end: int, new_text: str,
+                 text: str, text_end: int, logprobs: list[tuple[float, dict[int, float]]] | None = None,
+                 detok=None, pos: int = 0) -> None:
+        # Positional, flat and few: one is built per running request per step, so its cost is per-token cost.
+        # What never changes over a request's life (its id, prompt and cached prompt lengths) is read from it.
+        self._seq = seq
         self.new_token_ids = [token]
-        self.finished = finish_reason is not None
         self.finish_reason = finish_reason
-        self.num_prompt_tokens = num_prompt_tokens
-        self.num_cached_tokens = num_cached_tokens
         self.logprobs = logprobs
-        # all_ids: prompt + output, written in order (a later step's placeholder past ids_end may be there
-        # already); text: an immutable str. So both slices are snapshots.
-        self._ids = all_ids
-        self._ids_start = num_prompt_tokens
+        # The request's token_ids are written in order (a later step's placeholder past ids_end may be there
+        # already) and text is an immutable str, so both slices are snapshots.
         self._ids_end = ids_end
         self._new_text = new_text
         self._text = text
         self._text_end = text_end
         self._detok = detok  # a deferring Detokenizer, and this output's position in it
         self._pos = pos
+
+    @property
+    def request_id(self) -> str:
+        return self._seq.request_id
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self._seq.num_prompt_tokens
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self._seq.num_cached_tokens  # set once, at the request's first admission
 
     def _decode(self) -> None:
         detok = self._detok
@@ -64,7 +80,8 @@ class RequestOutput:
 
     @property
     def token_ids(self) -> list[int]:
-        return self._ids[self._ids_start : self._ids_end]
+        seq = self._seq
+        return seq.token_ids[seq.num_prompt_tokens : self._ids_end]
 
     @property
     def text(self) -> str:
