@@ -39,9 +39,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     # CPU, bfloat16: linear weights reordered once at load into oneDNN's layout; same numbers, faster.
     prepack_weights: bool = True
-    # Launch step N+1 before building step N's outputs, so that building them (and the caller's work with them)
-    # runs during N+1's forward. None: on for CUDA, where a forward runs asynchronously; on a CPU the forward is
-    # synchronous, and the overlap would only return every output one forward later.
+    # Schedule and launch step N+1 while step N is still on the device (N's tokens fed to it there), so that all
+    # host work of a step runs during a forward (LLMEngine.step). None: on for CUDA, where a forward runs
+    # asynchronously; on a CPU the forward is synchronous, and overlap would only return every output a forward later.
     overlap_steps: bool | None = None
     cache_dir: str | None = None
     seed: int = 0

@@ -211,8 +211,8 @@ class LLMEngine:
         the next step while the one before it is still in flight, its sampled tokens fed to the new step's inputs
         on the device; then it waits for the older step, appends its tokens, ends what it finished, and builds its
         outputs. All of that, and whatever the caller does with the outputs, runs while the device computes.
-        Outputs come one call later; what they are does not change. A request that ends at a step was already
-        scheduled into the next one: that row's token is dropped.
+        Outputs come one call later; what they are does not change. A request that a step ends by a stop token
+        or stop string was already scheduled into the next one: that row's token is dropped.
         """
         self.times.start()
         if not self.overlap:
