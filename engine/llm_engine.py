@@ -39,19 +39,16 @@ class InFlight:
 
     samplers: list[Sequence]
     positions: list[int]
-    copy: tuple[torch.Tensor, torch.Tensor, object]  # (device tokens, host tokens, the copy's event or None)
+    tokens: torch.Tensor
+    host: torch.Tensor  # the tokens' host copy (the tokens themselves on a CPU)
+    event: object  # marks the copy done on CUDA; None elsewhere
     logprobs: torch.Tensor
     feeds_ahead: bool  # no row needs its token on the host before the next step is sampled (logprobs, penalties)
 
-    @property
-    def tokens(self) -> torch.Tensor:
-        return self.copy[0]
-
     def host_tokens(self) -> list[int]:
-        _, host, event = self.copy
-        if event is not None:
-            event.synchronize()
-        return host.tolist()
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
 
     def row_of(self) -> dict[Sequence, int]:
         return {seq: row for row, seq in enumerate(self.samplers)}
@@ -261,14 +258,15 @@ class LLMEngine:
                 ids.append(PLACEHOLDER)
         feeds_ahead = sampling.greedy_only or not any(p.logprobs is not None or p.uses_history
                                                       for p in sampling.params)
-        self.in_flight.append(InFlight(samplers, positions, self.runner.to_host(tokens), logprobs, feeds_ahead))
+        host, event = self.runner.to_host(tokens)
+        self.in_flight.append(InFlight(samplers, positions, tokens, host, event, logprobs, feeds_ahead))
         return True
 
     def _feed(self, batch: SchedulerOutput) -> Feed | None:
         """The rows of batch whose input is a token of the step in flight, and where it is in that step."""
         prev = self.in_flight[-1]
         if batch.seqs == prev.samplers:  # steady decoding: the same requests in the same order (an identity scan)
-            return Feed(None, prev.tokens, None)
+            return Feed(None, prev.tokens, None)  # every row
         row_of = prev.row_of()
         sources = np.fromiter((row_of.get(seq, -1) for seq in batch.seqs), np.int64, len(batch.seqs))
         rows = np.flatnonzero(sources >= 0)
@@ -276,7 +274,7 @@ class LLMEngine:
 
     def _land(self) -> Landed | None:
         """Wait for the oldest step in flight, write its tokens in, and end the requests it finished (their blocks
-        are free for the next step scheduled)."""
+        are free for the steps scheduled from now on)."""
         if not self.in_flight:
             return None
         step = self.in_flight.popleft()

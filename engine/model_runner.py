@@ -152,7 +152,7 @@ class ModelRunner:
         order) and raw logprobs, both left on the device: on CUDA this returns before the kernels have run.
         feed: rows whose input token is still on the device (sampled by the step before, not yet landed)."""
         inputs = step_inputs.build(batch, self.tables.array, self.config.block_size, self._steady_after(batch),
-                                   feed is not None and feed.rows is None)
+                                   feed is not None and feed.every_row)
         self._last_seqs, self._last_inputs = batch.seqs, inputs
         buffers = self.decode_buffers
         padded = buffers is not None and inputs.decode_only and len(batch.seqs) <= buffers.max_size
@@ -161,7 +161,7 @@ class ModelRunner:
             input_ids = buffers.input_ids
         else:
             input_ids, positions, ctx = self._tensors(inputs)
-        if feed is not None and feed.rows is None:  # a decode step of the same requests: one copy
+        if feed is not None and feed.every_row:  # a decode step of the same requests: one copy
             input_ids[: len(feed.tokens)].copy_(feed.tokens)
         elif feed is not None:
             # A fed row has one new token, so its token row is where its query starts.
@@ -189,13 +189,13 @@ class ModelRunner:
         both_decode = last is not None and last.decode_only and batch.num_tokens == len(batch.seqs)
         return last if both_decode and batch.seqs == self._last_seqs else None
 
-    def to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, object]:
-        """Start copying sampled tokens to the host -> (device tokens, host tokens, an event to wait on or None).
-        Queued right behind the step, so waiting for it never waits for a step launched after."""
+    def to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """Start copying sampled tokens to the host -> (host tokens, an event to wait on, or None where they are
+        there already). Queued right behind the step, so waiting for it never waits for a step launched after."""
         if tokens.device.type != "cuda":
-            return tokens, tokens, None
+            return tokens, None
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return tokens, host, event
+        return host, event

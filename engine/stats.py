@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import time
 
-# update: a step's tokens appended and its finished requests ended, before the next step can be scheduled.
-# outputs: the step's RequestOutputs built; with overlapped steps this runs during the next forward.
+# update: a landed step's tokens written in and the requests it finished ended.
+# outputs: the landed step's RequestOutputs built.
 # publish: a worker's handing of the outputs to its publisher process (the engine itself never charges it).
 PHASES = ("schedule", "prepare", "forward", "sample", "update", "outputs", "publish")
 

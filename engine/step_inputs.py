@@ -21,6 +21,10 @@ class Feed:
     tokens: torch.Tensor
     sources: np.ndarray | None
 
+    @property
+    def every_row(self) -> bool:
+        return self.rows is None
+
 
 @dataclass
 class StepInputs:
@@ -66,7 +70,7 @@ def build(batch: SchedulerOutput, tables: np.ndarray, block_size: int, after: St
         positions = np.arange(int(qsl[-1]), dtype=np.int64) - np.repeat(qsl[:-1] - start, n)
         total = np.fromiter((s.num_tokens for s in seqs), np.int64, b)
         sample_rows = (qsl[1:] - 1)[end == total]
-    slots = table[token_rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    slots = _slots(table, token_rows, positions, block_size)
     return StepInputs(ids, positions, slots, qsl, end.astype(np.int32), table, sample_rows, rows)
 
 
@@ -79,5 +83,10 @@ def _next_decode(batch: SchedulerOutput, tables: np.ndarray, block_size: int, af
     table = tables[after.table_rows, : -(-int(seq_lens.max()) // block_size)]
     token_rows = np.arange(b)
     ids = np.full(b, PLACEHOLDER, np.int64) if fed else np.fromiter((s.token_ids[-1] for s in seqs), np.int64, b)
-    slots = table[token_rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    slots = _slots(table, token_rows, positions, block_size)
     return StepInputs(ids, positions, slots, after.query_start_loc, seq_lens, table, token_rows, after.table_rows)
+
+
+def _slots(table: np.ndarray, token_rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """The cache slot of each new token: its block (from its row's table) * block_size + its offset there."""
+    return table[token_rows, positions // block_size].astype(np.int64) * block_size + positions % block_size

@@ -58,7 +58,7 @@ def main() -> None:
               help="KV cache size in blocks; default: sized from memory")
 @click.option("--block-size", envvar="PAGEDQ_BLOCK_SIZE", type=int, default=16, help="Tokens per KV cache block")
 @click.option("--overlap-steps/--no-overlap-steps", envvar="PAGEDQ_OVERLAP_STEPS", default=None,
-              help="Launch each step before handling the last one's outputs; default: on for cuda, off for cpu")
+              help="Schedule each step while the one before runs on the device; default: on for cuda, off for cpu")
 @click.option("--served-model-name", envvar="PAGEDQ_SERVED_MODEL_NAME", multiple=True,
               help="Names a job's `model` may use (repeatable); default: --model")
 @click.option("--result-ttl", envvar="PAGEDQ_RESULT_TTL", type=int, default=defaults.RESULT_TTL_S,

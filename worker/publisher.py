@@ -47,8 +47,8 @@ class Publisher(threading.Thread):
     # ---- the step loop's side -------------------------------------------------------------------------------
 
     def step(self, items: list, now: float) -> None:
-        """One engine step's outputs: [(job, RequestOutput, offset)], offset = the job's output tokens before
-        this chunk; finished ones end their job."""
+        """One engine step's outputs: [(job, output, offset)] (publisher_child.Output), offset = the job's output
+        tokens before this chunk; finished ones end their job."""
         self.inbox.put(("step", items, now))
 
     def end(self, job: RunningJob, status: str, finish_reason: str) -> None:
