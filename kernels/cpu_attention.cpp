@@ -40,51 +40,27 @@ inline const float* as_floats(const T* row, float* buf) {
   }
 }
 
+// The next block's rows of one head (up to `left` of them), before they are read: blocks are scattered, where the
+// hardware prefetcher cannot guess.
+template <typename T>
+inline void prefetch_block(const T* head, int64_t left, const Shape& s) {
+  const int64_t token_stride = s.kv_heads * s.head_dim, row_bytes = s.head_dim * static_cast<int64_t>(sizeof(T));
+  const char* next = reinterpret_cast<const char*>(head);
+  for (int64_t o = 0; o < std::min(s.block_size, left); ++o)
+    for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(next + o * token_stride * sizeof(T) + c);
+}
+
 // Calls f(t, row) for the rows of tokens [0, len) of one head, block by block: no division per token.
 template <typename T, typename F>
 inline void for_each_row(const T* head, const int32_t* table, int64_t len, const Shape& s, F f) {
   const int64_t token_stride = s.kv_heads * s.head_dim, block_stride = s.block_size * token_stride;
-  const int64_t row_bytes = s.head_dim * static_cast<int64_t>(sizeof(T));
   for (int64_t t = 0, b = 0; t < len; ++b) {
     const T* row = head + static_cast<int64_t>(table[b]) * block_stride;
     const int64_t end = std::min(len, t + s.block_size);
-    if (end < len) {  // the next block is elsewhere in memory, where the hardware prefetcher cannot guess
-      const char* next = reinterpret_cast<const char*>(head + static_cast<int64_t>(table[b + 1]) * block_stride);
-      for (int64_t o = 0; o < std::min(s.block_size, len - end); ++o)
-        for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(next + o * token_stride * sizeof(T) + c);
-    }
+    if (end < len) prefetch_block(head + static_cast<int64_t>(table[b + 1]) * block_stride, len - end, s);
     for (; t < end; ++t, row += token_stride) f(t, row);
   }
 }
-
-#if defined(__AVX512BF16__)
-// The AVX-512 BF16 paths: bfloat16 rows of whole 512-bit registers, and at most this many query heads per KV head
-// (their accumulators stay in registers).
-constexpr int64_t kBf16MaxGroup = 4;
-template <typename T, int64_t D>
-constexpr bool kBf16Dots = std::is_same_v<T, at::BFloat16> && D % 32 == 0;
-
-// bfloat16 keys on a CPU with AVX-512 BF16: each pair of bfloat16 products is summed into float32 in one
-// instruction, against the query's own bfloat16 values (the scale is applied to the float32 score).
-template <int64_t D>
-void scores_bf16(const at::BFloat16* q_row, float scale, const at::BFloat16* k_head, const int32_t* table,
-                 int64_t len, const Shape& s, int64_t group, float* out) {
-  constexpr int64_t kLanes = 32;  // bfloat16 values in a 512-bit register
-  __m512bh q[kBf16MaxGroup][D / kLanes];
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t c = 0; c < D / kLanes; ++c)
-      q[g][c] = (__m512bh)_mm512_loadu_si512(q_row + g * D + c * kLanes);
-  for_each_row(k_head, table, len, s, [&](int64_t t, const at::BFloat16* row) {
-    __m512bh k[D / kLanes];
-    for (int64_t c = 0; c < D / kLanes; ++c) k[c] = (__m512bh)_mm512_loadu_si512(row + c * kLanes);
-    for (int64_t g = 0; g < group; ++g) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t c = 0; c < D / kLanes; ++c) acc = _mm512_dpbf16_ps(acc, q[g][c], k[c]);
-      out[g * len + t] = _mm512_reduce_add_ps(acc) * scale;
-    }
-  });
-}
-#endif
 
 // Scores of `group` queries (float32, pre-scaled) against keys [0, len) of one KV head; each key is loaded once.
 template <typename T, int64_t D>
@@ -102,23 +78,9 @@ void scores(const float* qf, const T* k_head, const int32_t* table, int64_t len,
   });
 }
 
-// Scores by the fastest path this CPU has for T.
-template <typename T, int64_t D>
-void scores_any(const T* q_row, const float* qf, const T* k_head, const int32_t* table, int64_t len,
-                const Shape& s, int64_t group, float* out) {
-#if defined(__AVX512BF16__)
-  if constexpr (kBf16Dots<T, D>) {
-    if (group <= kBf16MaxGroup) {
-      scores_bf16<D>(q_row, s.scale, k_head, table, len, s, group, out);
-      return;
-    }
-  }
-#endif
-  scores<T, D>(qf, k_head, table, len, s, group, out);
-}
-
-// Softmax of each query's row in place.
-inline void softmax_rows(float* p, int64_t rows, int64_t len) {
+// Softmax of each query's row in place, but for the division by its sum: inv[g] is 1 / sum, applied to the weighted
+// values instead (a pass over D values, not over every key).
+inline void softmax_rows(float* p, int64_t rows, int64_t len, float* inv) {
   for (int64_t g = 0; g < rows; ++g) {
     float* r = p + g * len;
     float m = -std::numeric_limits<float>::infinity();
@@ -128,8 +90,7 @@ inline void softmax_rows(float* p, int64_t rows, int64_t len) {
       r[t] = pagedq::fast_exp(r[t] - m);
       sum += r[t];
     }
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < len; ++t) r[t] *= inv;
+    inv[g] = 1.f / sum;
   }
 }
 
@@ -149,91 +110,170 @@ void weighted_values(const float* __restrict p, const T* v_head, const int32_t* 
   });
 }
 
-#if defined(__AVX512BF16__)
-// bfloat16 values on a CPU with AVX-512 BF16: two tokens at a time, their rows interleaved into (v_t, v_t+1)
-// pairs and their weights rounded to bfloat16 (as torch's fused CPU attention rounds them for this product), so
-// one instruction adds both products of a pair into float32. The interleave works within 128-bit lanes, which
-// leaves the accumulators' dimensions permuted: they are put back in order once, at the end.
-template <int64_t D>
-void weighted_values_bf16(const float* p, const at::BFloat16* v_head, const int32_t* table, int64_t len,
-                          const Shape& s, int64_t group, float* acc) {
-  constexpr int64_t kLanes = 32, C = D / kLanes;
-  __m512 lo[kBf16MaxGroup][C], hi[kBf16MaxGroup][C];
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t c = 0; c < C; ++c) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
-  auto add_pair = [&](int64_t t, const at::BFloat16* a, const at::BFloat16* b, bool both) {
-    __m512bh pairs_lo[C], pairs_hi[C];
-    for (int64_t c = 0; c < C; ++c) {
-      const __m512i x = _mm512_loadu_si512(a + c * kLanes), y = _mm512_loadu_si512(b + c * kLanes);
-      pairs_lo[c] = (__m512bh)_mm512_unpacklo_epi16(x, y);
-      pairs_hi[c] = (__m512bh)_mm512_unpackhi_epi16(x, y);
-    }
-    for (int64_t g = 0; g < group; ++g) {
-      const uint32_t w0 = at::BFloat16(p[g * len + t]).x;
-      const uint32_t w1 = both ? at::BFloat16(p[g * len + t + 1]).x : 0;
-      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(w0 | (w1 << 16)));
-      for (int64_t c = 0; c < C; ++c) {
-        lo[g][c] = _mm512_dpbf16_ps(lo[g][c], pairs_lo[c], w);
-        hi[g][c] = _mm512_dpbf16_ps(hi[g][c], pairs_hi[c], w);
-      }
-    }
-  };
-  const at::BFloat16* pending = nullptr;
-  int64_t pending_t = 0;
-  for_each_row(v_head, table, len, s, [&](int64_t t, const at::BFloat16* row) {
-    if (pending == nullptr) {
-      pending = row;
-      pending_t = t;
-    } else {
-      add_pair(pending_t, pending, row, true);
-      pending = nullptr;
-    }
-  });
-  if (pending != nullptr) add_pair(pending_t, pending, pending, false);  // an odd last row, paired at weight 0
-  for (int64_t g = 0; g < group; ++g) {
-    for (int64_t c = 0; c < C; ++c) {
-      float l[16], h[16];
-      _mm512_storeu_ps(l, lo[g][c]);
-      _mm512_storeu_ps(h, hi[g][c]);
-      for (int64_t i = 0; i < 16; ++i) {  // lane i of 128-bit lane i / 4 holds dimension 8 * (i / 4) + i % 4 (+4)
-        acc[g * D + c * kLanes + 8 * (i / 4) + i % 4] = l[i];
-        acc[g * D + c * kLanes + 8 * (i / 4) + 4 + i % 4] = h[i];
-      }
-    }
-  }
-}
-#endif
+#if defined(__AVX512F__)
+// The AVX-512 path, float32 and bfloat16: 16 keys at a time, one to a lane. A chunk of 16 tokens of one block sits
+// at a fixed stride, so each 32-bit word of their rows comes in one gather (a bfloat16 pair is split into two float32
+// values), and up to four query heads are scored against it with multiply-adds: no sum across a register per key,
+// which a key-by-key dot product pays. Values are summed in registers, a token's row at a time.
+constexpr int64_t kLanes = 16, kHeadsAtOnce = 4;
 
-// Weighted values by the fastest path this CPU has for T.
-template <typename T, int64_t D>
-void weighted_values_any(const float* p, const T* v_head, const int32_t* table, int64_t len, const Shape& s,
-                         int64_t group, float* acc) {
-#if defined(__AVX512BF16__)
-  if constexpr (kBf16Dots<T, D>) {
-    if (group <= kBf16MaxGroup) {
-      weighted_values_bf16<D>(p, v_head, table, len, s, group, acc);
-      return;
-    }
+template <typename T>
+constexpr bool kLanePath = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>;
+
+// Query heads padded to a multiple of kHeadsAtOnce: their rows of queries and weights are zeros.
+inline int64_t padded_group(int64_t group) { return (group + kHeadsAtOnce - 1) / kHeadsAtOnce * kHeadsAtOnce; }
+
+// Transposes 16 rows of 16 32-bit words in registers: r[i] is row i before, column i after.
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
   }
-#endif
-  weighted_values<T, D>(p, v_head, table, len, s, group, acc);
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
 }
+
+// Scores of `group` queries (float32, pre-scaled; rows padded to padded_group) against keys [0, len) of one head.
+template <typename T, int64_t D>
+void scores_lanes(const float* qf, const T* k_head, const int32_t* table, int64_t len, const Shape& s,
+                  int64_t group, float* out) {
+  constexpr int64_t kPerWord = sizeof(uint32_t) / sizeof(T);
+  const int64_t token_stride = s.kv_heads * s.head_dim, block_stride = s.block_size * token_stride;
+  const __m512i tokens = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(static_cast<int32_t>(token_stride / kPerWord)));
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  constexpr int64_t kWords = D / kPerWord;
+  const int64_t word_stride = token_stride / kPerWord;
+  // Chunks of 16 tokens never cross a block, and a short one still reads its block's rows (unused lanes).
+  const bool whole_chunks = s.block_size % kLanes == 0;
+  __m512i words[kWords % kLanes == 0 ? kWords : 1];
+  for (int64_t t = 0, b = 0; t < len; ++b) {
+    const T* block = k_head + static_cast<int64_t>(table[b]) * block_stride;
+    const int64_t end = std::min(len, t + s.block_size);
+    if (end < len) prefetch_block(k_head + static_cast<int64_t>(table[b + 1]) * block_stride, len - end, s);
+    for (int64_t t0 = t; t0 < end; t0 += kLanes) {
+      const int64_t n = std::min(kLanes, end - t0);
+      const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1);
+      const auto* base = reinterpret_cast<const int32_t*>(block + (t0 - t) * token_stride);
+      const bool transposed = kWords % kLanes == 0 && whole_chunks;
+      if constexpr (kWords % kLanes == 0) {  // whole registers of words: transposed in registers, not gathered
+        if (whole_chunks) {
+          for (int64_t c = 0; c < kWords / kLanes; ++c) {
+            for (int64_t i = 0; i < kLanes; ++i) words[c * kLanes + i] = _mm512_loadu_si512(base + i * word_stride + c * kLanes);
+            transpose16(words + c * kLanes);
+          }
+        }
+      }
+      for (int64_t g0 = 0; g0 < group; g0 += kHeadsAtOnce) {
+        const float* q = qf + g0 * D;
+        __m512 acc[kHeadsAtOnce];
+        for (auto& a : acc) a = _mm512_setzero_ps();
+        for (int64_t u = 0; u < kWords; ++u) {
+          const __m512i at = _mm512_add_epi32(tokens, _mm512_set1_epi32(static_cast<int32_t>(u)));
+          const __m512i word = transposed ? words[u] : _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, at, base, 4);
+          if constexpr (kPerWord == 1) {
+            const __m512 k = _mm512_castsi512_ps(word);
+            for (int64_t g = 0; g < kHeadsAtOnce; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * D + u]), k, acc[g]);
+          } else {  // a bfloat16 is the top half of its float32
+            const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(word, 16));
+            const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(word, high));
+            for (int64_t g = 0; g < kHeadsAtOnce; ++g) {
+              acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * D + 2 * u]), even, acc[g]);
+              acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * D + 2 * u + 1]), odd, acc[g]);
+            }
+          }
+        }
+        for (int64_t g = 0; g < std::min(kHeadsAtOnce, group - g0); ++g)
+          _mm512_mask_storeu_ps(out + (g0 + g) * len + t0, lanes, acc[g]);
+      }
+    }
+    t = end;
+  }
+}
+
+// 16 values of a row as float32.
+template <typename T>
+inline __m512 load16(const T* row) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(row);
+  } else {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+  }
+}
+
+// The most dimensions summed at once that divide D, in at most four registers.
+constexpr int64_t dims_at_once(int64_t d) {
+  for (int64_t r = 4; r > 1; --r)
+    if ((d / kLanes) % r == 0) return r * kLanes;
+  return kLanes;
+}
+
+// acc[g] = sum_t p[g, t] * v[t] (p's rows padded to padded_group with zeros), a token's row loaded once for four
+// query heads.
+template <typename T, int64_t D>
+void values_lanes(const float* p, const T* v_head, const int32_t* table, int64_t len, const Shape& s,
+                  int64_t group, float* out) {
+  constexpr int64_t kDims = dims_at_once(D), kRegs = kDims / kLanes;
+  for (int64_t g0 = 0; g0 < group; g0 += kHeadsAtOnce)
+    for (int64_t d0 = 0; d0 < D; d0 += kDims) {
+      __m512 acc[kHeadsAtOnce][kRegs];
+      for (auto& row : acc)
+        for (auto& a : row) a = _mm512_setzero_ps();
+      for_each_row(v_head, table, len, s, [&](int64_t t, const T* row) {
+        __m512 v[kRegs];
+        for (int64_t c = 0; c < kRegs; ++c) v[c] = load16(row + d0 + c * kLanes);
+        for (int64_t g = 0; g < kHeadsAtOnce; ++g) {
+          const __m512 w = _mm512_set1_ps(p[(g0 + g) * len + t]);
+          for (int64_t c = 0; c < kRegs; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
+        }
+      });
+      for (int64_t g = 0; g < std::min(kHeadsAtOnce, group - g0); ++g)
+        for (int64_t c = 0; c < kRegs; ++c) _mm512_storeu_ps(out + (g0 + g) * D + d0 + c * kLanes, acc[g][c]);
+    }
+}
+#else
+inline int64_t padded_group(int64_t group) { return group; }
+#endif
 
 // One (sequence, KV head): its `group` query heads attend to the sequence's keys and values.
 template <typename T, int64_t D>
 void attend(const T* q_row, const T* k_head, const T* v_head, const int32_t* table, int64_t len, const Shape& s,
             int64_t group, std::vector<float>& work, T* o_row) {
-  work.resize(2 * group * D + group * len);
-  float *qf = work.data(), *acc = qf + group * D, *p = acc + group * D;
+  const int64_t rows = padded_group(group);
+  work.assign(rows * D + group * D + group + rows * len, 0.f);  // padding rows of queries and weights stay zeros
+  float *qf = work.data(), *acc = qf + rows * D, *inv = acc + group * D, *p = inv + group;
   for (int64_t j = 0; j < group * D; ++j) qf[j] = static_cast<float>(q_row[j]) * s.scale;
-  scores_any<T, D>(q_row, qf, k_head, table, len, s, group, p);
-  softmax_rows(p, group, len);
-  weighted_values_any<T, D>(p, v_head, table, len, s, group, acc);
-  for (int64_t j = 0; j < group * D; ++j) o_row[j] = static_cast<T>(acc[j]);
+#if defined(__AVX512F__)
+  if constexpr (kLanePath<T>) {
+    scores_lanes<T, D>(qf, k_head, table, len, s, group, p);
+    softmax_rows(p, group, len, inv);
+    values_lanes<T, D>(p, v_head, table, len, s, group, acc);
+  } else
+#endif
+  {
+    scores<T, D>(qf, k_head, table, len, s, group, p);
+    softmax_rows(p, group, len, inv);
+    weighted_values<T, D>(p, v_head, table, len, s, group, acc);
+  }
+  for (int64_t j = 0; j < group * D; ++j) o_row[j] = static_cast<T>(acc[j] * inv[j / D]);
 }
 
-// The head sizes the kernel is built for: the compiler knows D, so the loops over it unroll and vectorize.
-constexpr int64_t kHeadSizes[] = {16, 32, 64, 80, 96, 128, 256};
+using pagedq::kHeadSizes;
 
 template <typename T, size_t I = 0>
 void attend_any(const T* q_row, const T* k_head, const T* v_head, const int32_t* table, int64_t len,

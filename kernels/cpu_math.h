@@ -1,4 +1,4 @@
-// Float helpers shared by the CPU kernels (cpu_attention.cpp, cpu_layers.cpp).
+// What the CPU kernels share (cpu_attention.cpp, cpu_prefill.cpp, cpu_layers.cpp): head sizes and float helpers.
 #pragma once
 
 #include <algorithm>
@@ -7,6 +7,10 @@
 #include <cstring>
 
 namespace pagedq {
+
+// The head sizes the attention kernels are built for (the compiler knows D, so loops over it unroll and vectorize);
+// other sizes go to the torch ops.
+constexpr int64_t kHeadSizes[] = {16, 32, 64, 80, 96, 128, 256};
 
 // exp(x) as 2^n * 2^f, 2^f by Cephes' exp2f polynomial on [-0.5, 0.5]: relative error about 2e-7, in plain float
 // and integer arithmetic that the compiler vectorizes (the C library's expf is a call per value). x is clamped to

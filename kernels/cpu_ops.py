@@ -1,7 +1,6 @@
-"""The CPU path in C++: a decode attention that reads the KV blocks in place (kernels/cpu_attention.cpp),
-where the torch path gathers each group's blocks into a copy, zeroes its padding and attends over the copy;
+"""The CPU path in C++: decode and prefill attention that read the KV blocks in place (kernels/cpu_attention.cpp,
+kernels/cpu_prefill.cpp), where the torch path gathers each sequence's blocks into a copy and attends over it;
 RMSNorm and rotary as one pass each (kernels/cpu_layers.cpp); keys and values stored with a copy per token.
-Prefill attention stays with the torch ops.
 
 The kernels are compiled on first use with the machine's C++ compiler for the CPU they run on, once per source,
 CPU, compiler flags and torch version (a folder under the cache), and loaded as torch.ops.pagedq.*.
@@ -26,7 +25,8 @@ log = logging.getLogger("pagedq.kernels")
 
 GRAPH_SAFE = False
 FAST_LAYERS = True  # rms_norm and rotary below: the model uses them (LlamaForCausalLM.use_fast_layers)
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_layers.cpp", "cpu_sampling.cpp")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_layers.cpp", "cpu_sampling.cpp")]
 HEADERS = [Path(__file__).with_name("cpu_math.h")]
 # -march=native: the build is for this CPU (its flags are in the build key). Reassociating float sums lets the
 # compiler vectorize the dot products; every sum is still accumulated in float32.
@@ -106,6 +106,10 @@ def head_sizes() -> frozenset[int]:
     return frozenset(torch.ops.pagedq.head_sizes())
 
 
+def _prefill_built(head_dim: int, group: int) -> bool:
+    return head_dim in head_sizes() and group <= torch.ops.pagedq.prefill_max_group()
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -115,7 +119,8 @@ def paged_attention(
     block_table: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """kernels.torch_ops.paged_attention's contract; the one-token queries go to the C++ kernel."""
+    """kernels.torch_ops.paged_attention's contract in C++: one-token queries to the decode kernel, longer ones
+    (prompts, chunks) to the prefill kernel; head shapes neither is built for go to the torch ops."""
     out = torch.empty_like(q)
     starts, lens, q_lens = torch_ops.split(query_start_loc, seq_lens)
     decoding = [b for b, n in enumerate(q_lens) if n == 1]
@@ -127,7 +132,14 @@ def paged_attention(
         torch.ops.pagedq.decode_attention(q.contiguous(), k_cache, v_cache, rows, seqs,
                                           seq_lens.to(torch.int32).contiguous(),
                                           block_table.to(torch.int32).contiguous(), scale, out)
-    torch_ops.prefill(q, k_cache, v_cache, starts, lens, q_lens, block_table, scale, out)
+    prefilling = [b for b, n in enumerate(q_lens) if n > 1]
+    if prefilling and not _prefill_built(q.shape[2], q.shape[1] // k_cache.shape[2]):
+        torch_ops.prefill(q, k_cache, v_cache, starts, lens, q_lens, block_table, scale, out)
+    elif prefilling:
+        torch.ops.pagedq.prefill_attention(q.contiguous(), k_cache, v_cache, torch.tensor(prefilling, dtype=torch.int64),
+                                           query_start_loc.to(torch.int64).contiguous(),
+                                           seq_lens.to(torch.int32).contiguous(),
+                                           block_table.to(torch.int32).contiguous(), scale, out)
     return out
 
 

@@ -1,4 +1,4 @@
-"""The C++ kernels of the CPU path (kernels/cpu_attention.cpp, cpu_layers.cpp, cpu_sampling.cpp, built on first
+"""The C++ kernels of the CPU path (kernels/cpu_attention.cpp, cpu_prefill.cpp, cpu_layers.cpp, cpu_sampling.cpp, built on first
 use) against the torch ops they replace, the engine on them, and how a backend is chosen on a CPU with and without
 a compiler."""
 
@@ -39,9 +39,30 @@ def test_decode_reads_the_blocks_in_place(built, hq, hkv, head_dim, dtype):
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert rel_err(got[rows], oracle(b)[rows]) < tol
     assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 2e-2)
-    prefill = torch.ones(len(got), dtype=torch.bool)
-    prefill[rows] = False
-    assert torch.equal(got[prefill], want[prefill])  # the prefill rows are the torch ops' own
+
+
+@pytest.mark.parametrize("hq, hkv, head_dim", [(9, 3, 64), (8, 8, 16), (8, 2, 128), (4, 1, 32), (10, 2, 80)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_prefill_reads_the_blocks_in_place(built, hq, hkv, head_dim, dtype):
+    # Prompts of many lengths (two tokens, a block, past a key tile, several query tiles), chunks after a cached
+    # prefix (ending inside a block, starting on a block edge, three tokens after 45), beside decodes; unwritten
+    # slots hold NaN, which a kernel that reads past a sequence's end would spread.
+    shapes = [(0, 2), (0, 16), (0, 33), (0, 130), (7, 9), (32, 50), (45, 3), (20, 1), (0, 1)]
+    b = random_batch(hq, hkv, head_dim, 16, shapes, dtype, seed=head_dim + 1)
+    store(torch_ops, b)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(attend(built, b), oracle(b)) < tol
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 32])
+def test_prefill_with_other_block_sizes_and_query_heads_past_the_kernel(built, block_size):
+    b = random_batch(6, 2, 32, block_size, [(0, 40), (13, 21), (3, 1)], torch.float32, seed=block_size)
+    store(torch_ops, b)
+    assert rel_err(attend(built, b), oracle(b)) < 1e-5
+    wide = random_batch(64, 1, 16, block_size, [(0, 5), (4, 3)], torch.float32)  # more query heads per KV head
+    store(torch_ops, wide)  # than the kernel's rows: the torch ops serve them
+    assert torch.ops.pagedq.prefill_max_group() < 64
+    assert torch.equal(attend(built, wide), attend(torch_ops, wide))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
