@@ -298,22 +298,26 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const T* vp = v_cache.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t group = s.q_heads / s.kv_heads;
-  // A work item is a sequence, its KV heads one after the other: the first head streams the sequence's blocks
-  // through the cache whole (a token's heads are adjacent), the others find them there.
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> work;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t len = lens[seqs[i]];
-      const int32_t* table = tables + seqs[i] * s.table_stride;
-      for (int64_t h = 0; h < s.kv_heads; ++h) {
-        const int64_t row = (rows[i] * s.q_heads + h * group) * s.head_dim;
-        if (len == 0) {  // a padding row of a padded batch sees no key: zeros
-          std::fill(op + row, op + row + group * s.head_dim, T(0));
-        } else {
-          attend_any<T>(qp + row, kp + h * s.head_dim, vp + h * s.head_dim, table, len, s, group, work, op + row);
-        }
+  // A work item is a sequence, its KV heads one after the other, each thread's items of about equal cost.
+  std::vector<int64_t> costs(n);
+  for (int64_t i = 0; i < n; ++i) costs[i] = lens[seqs[i]] + 1;
+  const auto bins = pagedq::balance(costs, at::get_num_threads());
+  auto attend_seq = [&](int64_t i, std::vector<float>& work) {
+    const int64_t len = lens[seqs[i]];
+    const int32_t* table = tables + seqs[i] * s.table_stride;
+    for (int64_t h = 0; h < s.kv_heads; ++h) {
+      const int64_t row = (rows[i] * s.q_heads + h * group) * s.head_dim;
+      if (len == 0) {  // a padding row of a padded batch sees no key: zeros
+        std::fill(op + row, op + row + group * s.head_dim, T(0));
+      } else {
+        attend_any<T>(qp + row, kp + h * s.head_dim, vp + h * s.head_dim, table, len, s, group, work, op + row);
       }
     }
+  };
+  at::parallel_for(0, static_cast<int64_t>(bins.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> work;
+    for (int64_t bin = begin; bin < end; ++bin)
+      for (const int64_t i : bins[bin]) attend_seq(i, work);
   });
 }
 

@@ -1,7 +1,7 @@
 // The elementwise parts of a decoder layer on the CPU, each one pass over its rows where torch makes several
-// (RMSNorm: cast, square, mean, rsqrt, two products; rotary: a negated half, a concatenation, three products and
-// a sum). SiLU-and-multiply stays in torch: its vectorized exp beat a compiled loop here. Each rounds where the torch code it replaces rounds, so
-// float32 models give the same numbers up to the order of a sum. Built with cpu_attention.cpp
+// (RMSNorm: cast, square, mean, rsqrt, two products; rotary: a negated half, a concatenation, three products and a
+// sum; SiLU-and-multiply in bfloat16: a SiLU tensor, then the product). Each rounds where the torch code it replaces
+// rounds, so float32 models give the same numbers up to the order of a sum. Built with cpu_attention.cpp
 // (kernels/cpu_ops.py); the ops are torch.ops.pagedq.*.
 
 #include <ATen/ATen.h>
@@ -11,6 +11,7 @@
 #include "cpu_math.h"
 
 #include <cmath>
+#include <limits>
 
 namespace {
 
@@ -87,9 +88,68 @@ void rotary(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos, co
   });
 }
 
+#if defined(__AVX512F__)
+constexpr float kExpOverflow = 88.72283905f;  // exp of more is inf in float32
+
+// float32 to bfloat16, rounded to nearest even as c10::BFloat16 rounds (a NaN stays a NaN).
+inline __m256i round_bf16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  rounded = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), rounded, _mm512_set1_epi32(0x7fc00000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+inline __m512 load_bf16(const at::BFloat16* p) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+}
+
+// out = silu(gate) * up for x = [gate | up] rows, bfloat16: one pass where torch makes two (silu into a new
+// tensor, then the product), rounding where torch rounds (the SiLU, then the product).
+void silu_and_mul(const at::Tensor& x, at::Tensor out) {
+  check_rows(x, "silu_and_mul x");
+  check_rows(out, "silu_and_mul out");
+  const int64_t n = x.size(0), inter = out.size(1);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "silu_and_mul: bfloat16");
+  TORCH_CHECK(x.size(1) == 2 * inter && out.size(0) == n && inter % 16 == 0,
+              "silu_and_mul: x [N, 2I] and out [N, I], I a multiple of 16");
+  const auto* xp = x.data_ptr<at::BFloat16>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const at::BFloat16 *gate = xp + r * x.stride(0), *up = gate + inter;
+      at::BFloat16* o = op + r * out.stride(0);
+      for (int64_t i = 0; i < inter; i += 16) {
+        const __m512 g = load_bf16(gate + i);
+        const __m512 minus = _mm512_sub_ps(_mm512_setzero_ps(), g);
+        __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), pagedq::exp16(minus)));
+        // Where exp(-g) overflows float32, torch divides by inf: -0, or NaN for g = -inf (exp16 clamps instead).
+        const __mmask16 overflow = _mm512_cmp_ps_mask(minus, _mm512_set1_ps(kExpOverflow), _CMP_GT_OQ);
+        silu = _mm512_mask_div_ps(silu, overflow, g, _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+        const __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_bf16(silu)), 16));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), round_bf16(_mm512_mul_ps(rounded, load_bf16(up + i))));
+      }
+    }
+  });
+}
+#else
+void silu_and_mul(const at::Tensor&, at::Tensor) { TORCH_CHECK(false, "silu_and_mul: not built without AVX-512"); }
+#endif
+
+bool silu_and_mul_built() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedq, m) {
+  m.def("silu_and_mul_built() -> bool", &silu_and_mul_built);
+  m.def("silu_and_mul(Tensor x, Tensor(a!) out) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
   m.def("rotary(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
 }
@@ -97,4 +157,5 @@ TORCH_LIBRARY_FRAGMENT(pagedq, m) {
 TORCH_LIBRARY_IMPL(pagedq, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary", &rotary);
+  m.impl("silu_and_mul", &silu_and_mul);
 }

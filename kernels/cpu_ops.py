@@ -1,6 +1,7 @@
 """The CPU path in C++: decode and prefill attention that read the KV blocks in place (kernels/cpu_attention.cpp,
-kernels/cpu_prefill.cpp), where the torch path gathers each sequence's blocks into a copy and attends over it;
-RMSNorm and rotary as one pass each (kernels/cpu_layers.cpp); keys and values stored with a copy per token.
+kernels/cpu_prefill.cpp, which needs AVX-512), where the torch path gathers each sequence's blocks into a copy and
+attends over it; RMSNorm, rotary and (bfloat16) SiLU-and-multiply as one pass each (kernels/cpu_layers.cpp); keys
+and values stored with a copy per token.
 
 The kernels are compiled on first use with the machine's C++ compiler for the CPU they run on, once per source,
 CPU, compiler flags and torch version (a folder under the cache), and loaded as torch.ops.pagedq.*.
@@ -24,7 +25,7 @@ from kernels import torch_ops
 log = logging.getLogger("pagedq.kernels")
 
 GRAPH_SAFE = False
-FAST_LAYERS = True  # rms_norm and rotary below: the model uses them (LlamaForCausalLM.use_fast_layers)
+FAST_LAYERS = True  # rms_norm, rotary and silu_and_mul below: the model uses them (LlamaForCausalLM.use_fast_layers)
 SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_layers.cpp", "cpu_sampling.cpp")]
 HEADERS = [Path(__file__).with_name("cpu_math.h")]
@@ -106,8 +107,14 @@ def head_sizes() -> frozenset[int]:
     return frozenset(torch.ops.pagedq.head_sizes())
 
 
+@functools.cache
+def _prefill_max_group() -> int:
+    """The most query heads per KV head the prefill kernel takes; 0 where it is not built (no AVX-512)."""
+    return int(torch.ops.pagedq.prefill_max_group())
+
+
 def _prefill_built(head_dim: int, group: int) -> bool:
-    return head_dim in head_sizes() and group <= torch.ops.pagedq.prefill_max_group()
+    return head_dim in head_sizes() and group <= _prefill_max_group()
 
 
 def paged_attention(
@@ -158,6 +165,24 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: tor
     """x [T, H, D] rotated in place (rotate-half layout) at int64 positions [T] by float32 tables [P, D]."""
     torch.ops.pagedq.rotary(x, positions, cos, sin)
     return x
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """kernels.torch_ops.silu_and_mul in one C++ pass for bfloat16 (torch's roundings); float32 stays in torch, whose
+    SiLU the float32 greedy parity is held to."""
+    rows = x.reshape(-1, x.shape[-1])
+    inter = x.shape[-1] // 2
+    fused = x.dtype == torch.bfloat16 and inter % 16 == 0 and rows.stride(-1) == 1 and _silu_and_mul_built()
+    if not fused:
+        return torch_ops.silu_and_mul(x)
+    out = torch.empty((rows.shape[0], inter), dtype=x.dtype)
+    torch.ops.pagedq.silu_and_mul(rows, out)
+    return out.view(*x.shape[:-1], inter)
+
+
+@functools.cache
+def _silu_and_mul_built() -> bool:
+    return bool(torch.ops.pagedq.silu_and_mul_built())
 
 
 _ARGMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

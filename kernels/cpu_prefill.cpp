@@ -3,8 +3,7 @@
 // item is a tile of query tokens and one KV head: the query heads that share that KV head are rows of the same tile,
 // so each key and value is loaded and converted once for all of them. Keys come in tiles of kTile with an online
 // softmax (flash attention), and tiles past a query tile's last position are never read. Items go to the threads
-// by their cost, since a late tile of a long prompt sees many more keys than an early one. Built with
-// cpu_attention.cpp (kernels/cpu_ops.py), registered as torch.ops.pagedq.prefill_attention.
+// by their cost. Built with cpu_attention.cpp (kernels/cpu_ops.py), registered as torch.ops.pagedq.prefill_attention.
 //
 // Layouts as in cpu_attention.cpp; query_start_loc [B + 1] int64, seqs [n] int64: the sequences to attend.
 
@@ -34,7 +33,6 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Item {
   int64_t seq, first, tokens, head;  // `tokens` new tokens of `seq` from its `first`, against KV head `head`
-  int64_t cost;
 };
 
 template <typename T>
@@ -107,19 +105,6 @@ inline void load_row(const T* row, float* out) {
   }
 }
 
-// exp as pagedq::fast_exp, 16 lanes at a time.
-inline __m512 exp16(__m512 x) {
-  const __m512 y = _mm512_mul_ps(_mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f)),
-                                 _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(y, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  for (const float c : {1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f, 2.402264791363012e-1f,
-                        6.931472028550421e-1f, 1.f})
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
-}
-
 // Scores of the tile's keys (four at a time: 4 x 3 accumulators), scaled and causally masked.
 template <int64_t D>
 inline void vec_scores(VecScratch<D>& w, int64_t j0, float scale) {
@@ -156,11 +141,11 @@ inline void vec_softmax(VecScratch<D>& w) {
     for (int64_t j = 0; j < kTile; ++j) top = _mm512_max_ps(top, _mm512_load_ps(&w.s[j][c]));
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < kTile; ++j) {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_load_ps(&w.s[j][c]), top));
+      const __m512 e = pagedq::exp16(_mm512_sub_ps(_mm512_load_ps(&w.s[j][c]), top));
       _mm512_store_ps(&w.s[j][c], e);
       sum = _mm512_add_ps(sum, e);
     }
-    const __m512 alpha = exp16(_mm512_sub_ps(old, top));  // the first tile: exp(-inf), about 0
+    const __m512 alpha = pagedq::exp16(_mm512_sub_ps(old, top));  // the first tile: exp(-inf), about 0
     _mm512_store_ps(&w.alpha[c], alpha);
     _mm512_store_ps(&w.l[c], _mm512_fmadd_ps(_mm512_load_ps(&w.l[c]), alpha, sum));
     _mm512_store_ps(&w.m[c], top);
@@ -268,26 +253,27 @@ void attend_any(const Args<T>& a, const std::vector<Item>* bins, int64_t begin, 
   }
 }
 
-// Items cut from each sequence's new tokens, in bins of about equal cost, one per thread (costliest first, each
-// to the least loaded bin).
+// Items cut from each sequence's new tokens, in bins of about equal cost, one per thread (a late tile of a long
+// prompt sees many more keys than an early one).
 std::vector<std::vector<Item>> plan(const int64_t* seqs, int64_t n, const int64_t* starts, const int32_t* lens,
                                     int64_t group, int64_t kv_heads, int64_t bins) {
   const int64_t per_item = kRows / group;
   std::vector<Item> items;
+  std::vector<int64_t> costs;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t b = seqs[i], q_len = starts[b + 1] - starts[b], cached = lens[b] - q_len;
     for (int64_t first = 0; first < q_len; first += per_item) {
       const int64_t tokens = std::min(per_item, q_len - first);
-      for (int64_t h = 0; h < kv_heads; ++h) items.push_back({b, first, tokens, h, cached + first + tokens});
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        items.push_back({b, first, tokens, h});
+        costs.push_back(cached + first + tokens);  // keys seen
+      }
     }
   }
-  std::sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
-  std::vector<std::vector<Item>> out(bins);
-  std::vector<int64_t> load(bins, 0);
-  for (const Item& it : items) {
-    const int64_t b = std::min_element(load.begin(), load.end()) - load.begin();
-    out[b].push_back(it);
-    load[b] += it.cost;
+  std::vector<std::vector<Item>> out;
+  for (const auto& bin : pagedq::balance(costs, bins)) {
+    out.emplace_back();
+    for (const int64_t i : bin) out.back().push_back(items[i]);
   }
   return out;
 }

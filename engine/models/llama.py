@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from kernels import torch_ops
 
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -126,10 +127,11 @@ class MLP(nn.Module):
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+        self.fast = None  # see LlamaForCausalLM.use_fast_layers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = (self.fast or torch_ops).silu_and_mul(self.gate_up_proj(x))
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
@@ -196,11 +198,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(h)
 
     def use_fast_layers(self, fast) -> None:
-        """RMSNorm and rotary from `fast` (kernels.cpu_ops: one C++ pass each, the same roundings) instead of
-        several torch ops each; None: the torch ops."""
+        """RMSNorm, rotary and SiLU-and-multiply from `fast` (kernels.cpu_ops: one C++ pass each, the same roundings)
+        instead of several torch ops each; None: the torch ops."""
         self.fast = fast
         for module in self.modules():
-            if isinstance(module, RMSNorm):
+            if isinstance(module, (RMSNorm, MLP)):
                 module.fast = fast
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
