@@ -205,17 +205,6 @@ void scores_lanes(const float* qf, const T* k_head, const int32_t* table, int64_
   }
 }
 
-// 16 values of a row as float32.
-template <typename T>
-inline __m512 load16(const T* row) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm512_loadu_ps(row);
-  } else {
-    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
-  }
-}
-
 // The most dimensions summed at once that divide D, in at most four registers.
 constexpr int64_t dims_at_once(int64_t d) {
   for (int64_t r = 4; r > 1; --r)
@@ -236,7 +225,7 @@ void values_lanes(const float* p, const T* v_head, const int32_t* table, int64_t
         for (auto& a : row) a = _mm512_setzero_ps();
       for_each_row(v_head, table, len, s, [&](int64_t t, const T* row) {
         __m512 v[kRegs];
-        for (int64_t c = 0; c < kRegs; ++c) v[c] = load16(row + d0 + c * kLanes);
+        for (int64_t c = 0; c < kRegs; ++c) v[c] = pagedq::load16(row + d0 + c * kLanes);
         for (int64_t g = 0; g < kHeadsAtOnce; ++g) {
           const __m512 w = _mm512_set1_ps(p[(g0 + g) * len + t]);
           for (int64_t c = 0; c < kRegs; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);

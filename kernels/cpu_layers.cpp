@@ -100,11 +100,6 @@ inline __m256i round_bf16(__m512 x) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
-inline __m512 load_bf16(const at::BFloat16* p) {
-  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
-}
-
 // out = silu(gate) * up for x = [gate | up] rows, bfloat16: one pass where torch makes two (silu into a new
 // tensor, then the product), rounding where torch rounds (the SiLU, then the product).
 void silu_and_mul(const at::Tensor& x, at::Tensor out) {
@@ -121,14 +116,14 @@ void silu_and_mul(const at::Tensor& x, at::Tensor out) {
       const at::BFloat16 *gate = xp + r * x.stride(0), *up = gate + inter;
       at::BFloat16* o = op + r * out.stride(0);
       for (int64_t i = 0; i < inter; i += 16) {
-        const __m512 g = load_bf16(gate + i);
+        const __m512 g = pagedq::load16(gate + i);
         const __m512 minus = _mm512_sub_ps(_mm512_setzero_ps(), g);
         __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), pagedq::exp16(minus)));
         // Where exp(-g) overflows float32, torch divides by inf: -0, or NaN for g = -inf (exp16 clamps instead).
         const __mmask16 overflow = _mm512_cmp_ps_mask(minus, _mm512_set1_ps(kExpOverflow), _CMP_GT_OQ);
         silu = _mm512_mask_div_ps(silu, overflow, g, _mm512_set1_ps(std::numeric_limits<float>::infinity()));
-        const __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_bf16(silu)), 16));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), round_bf16(_mm512_mul_ps(rounded, load_bf16(up + i))));
+        const __m512 rounded = pagedq::widen_bf16(round_bf16(silu));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), round_bf16(_mm512_mul_ps(rounded, pagedq::load16(up + i))));
       }
     }
   });

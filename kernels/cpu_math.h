@@ -7,8 +7,11 @@
 #include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 
 namespace pagedq {
@@ -56,6 +59,23 @@ inline float fast_exp(float x) {
 }
 
 #if defined(__AVX512F__)
+// 16 bfloat16 values as float32: a bfloat16 is the top half of its float32.
+inline __m512 widen_bf16(__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); }
+
+// 16 values from p as float32.
+template <typename T>
+inline __m512 load16(const T* p) {
+  const auto* half = reinterpret_cast<const __m256i*>(p);
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return widen_bf16(_mm256_loadu_si256(half));
+  } else {
+    static_assert(std::is_same_v<T, c10::Half>, "load16: float, bfloat16 or half");
+    return _mm512_cvtph_ps(_mm256_loadu_si256(half));
+  }
+}
+
 // fast_exp, 16 lanes at a time.
 inline __m512 exp16(__m512 x) {
   const __m512 y = _mm512_mul_ps(_mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f)),

@@ -95,11 +95,8 @@ inline void load_row(const T* row, float* out) {
     std::memset(out, 0, D * sizeof(float));
   } else if constexpr (std::is_same_v<T, float>) {
     std::memcpy(out, row, D * sizeof(float));
-  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
-    for (int64_t d = 0; d < D; d += kLanes) {  // a bfloat16 is the top half of its float32
-      const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + d)));
-      _mm512_storeu_si512(out + d, _mm512_slli_epi32(x, 16));
-    }
+  } else if constexpr (std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>) {
+    for (int64_t d = 0; d < D; d += kLanes) _mm512_storeu_ps(out + d, pagedq::load16(row + d));
   } else {
     for (int64_t d = 0; d < D; ++d) out[d] = static_cast<float>(row[d]);
   }

@@ -7,6 +7,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_math.h"
+
 #include <cmath>
 #include <cstdint>
 
@@ -42,23 +44,7 @@ int64_t first_max(const T* row, int64_t n) {
 }
 
 #if defined(__AVX512F__)
-template <typename T>
-inline __m512 load16(const T* p);
-
-template <>
-inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
-
-template <>
-inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
-  // bfloat16 is the upper half of a float32: widen and shift.
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-template <>
-inline __m512 load16<c10::Half>(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+using pagedq::load16;
 
 // Per lane, the first maximum among the lane's elements (a strict > keeps the earlier index); then the largest
 // lane value, and among lanes holding it the smallest index. A NaN anywhere hands the row to first_max.
