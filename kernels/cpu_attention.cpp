@@ -112,9 +112,10 @@ void weighted_values(const float* __restrict p, const T* v_head, const int32_t* 
 
 #if defined(__AVX512F__)
 // The AVX-512 path, float32 and bfloat16: 16 keys at a time, one to a lane. A chunk of 16 tokens of one block sits
-// at a fixed stride, so each 32-bit word of their rows comes in one gather (a bfloat16 pair is split into two float32
-// values), and up to four query heads are scored against it with multiply-adds: no sum across a register per key,
-// which a key-by-key dot product pays. Values are summed in registers, a token's row at a time.
+// at a fixed stride, so their rows are loaded and transposed in registers (or, where a row is not whole registers
+// or a block not whole chunks, each 32-bit word gathered), a bfloat16 pair split into two float32 values, and up to
+// four query heads are scored against each word with multiply-adds: no sum across a register per key, which a
+// key-by-key dot product pays. Values are summed in registers, a token's row at a time.
 constexpr int64_t kLanes = 16, kHeadsAtOnce = 4;
 
 template <typename T>
@@ -155,11 +156,10 @@ void scores_lanes(const float* qf, const T* k_head, const int32_t* table, int64_
   const int64_t token_stride = s.kv_heads * s.head_dim, block_stride = s.block_size * token_stride;
   const __m512i tokens = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32(static_cast<int32_t>(token_stride / kPerWord)));
-  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
   constexpr int64_t kWords = D / kPerWord;
   const int64_t word_stride = token_stride / kPerWord;
-  // Chunks of 16 tokens never cross a block, and a short one still reads its block's rows (unused lanes).
-  const bool whole_chunks = s.block_size % kLanes == 0;
+  // Chunks of 16 tokens then never cross a block, and a short one still reads its block's rows (unused lanes).
+  const bool transposed = kWords % kLanes == 0 && s.block_size % kLanes == 0;
   __m512i words[kWords % kLanes == 0 ? kWords : 1];
   for (int64_t t = 0, b = 0; t < len; ++b) {
     const T* block = k_head + static_cast<int64_t>(table[b]) * block_stride;
@@ -169,13 +169,10 @@ void scores_lanes(const float* qf, const T* k_head, const int32_t* table, int64_
       const int64_t n = std::min(kLanes, end - t0);
       const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1);
       const auto* base = reinterpret_cast<const int32_t*>(block + (t0 - t) * token_stride);
-      const bool transposed = kWords % kLanes == 0 && whole_chunks;
-      if constexpr (kWords % kLanes == 0) {  // whole registers of words: transposed in registers, not gathered
-        if (whole_chunks) {
-          for (int64_t c = 0; c < kWords / kLanes; ++c) {
-            for (int64_t i = 0; i < kLanes; ++i) words[c * kLanes + i] = _mm512_loadu_si512(base + i * word_stride + c * kLanes);
-            transpose16(words + c * kLanes);
-          }
+      if constexpr (kWords % kLanes == 0) {  // (the array holds whole registers of words only then)
+        for (int64_t c = 0; transposed && c < kWords / kLanes; ++c) {
+          for (int64_t i = 0; i < kLanes; ++i) words[c * kLanes + i] = _mm512_loadu_si512(base + i * word_stride + c * kLanes);
+          transpose16(words + c * kLanes);
         }
       }
       for (int64_t g0 = 0; g0 < group; g0 += kHeadsAtOnce) {
@@ -183,14 +180,14 @@ void scores_lanes(const float* qf, const T* k_head, const int32_t* table, int64_
         __m512 acc[kHeadsAtOnce];
         for (auto& a : acc) a = _mm512_setzero_ps();
         for (int64_t u = 0; u < kWords; ++u) {
-          const __m512i at = _mm512_add_epi32(tokens, _mm512_set1_epi32(static_cast<int32_t>(u)));
-          const __m512i word = transposed ? words[u] : _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, at, base, 4);
+          const __m512i word = transposed ? words[u] : _mm512_mask_i32gather_epi32(
+              _mm512_setzero_si512(), lanes, _mm512_add_epi32(tokens, _mm512_set1_epi32(static_cast<int32_t>(u))), base, 4);
           if constexpr (kPerWord == 1) {
             const __m512 k = _mm512_castsi512_ps(word);
             for (int64_t g = 0; g < kHeadsAtOnce; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * D + u]), k, acc[g]);
-          } else {  // a bfloat16 is the top half of its float32
-            const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(word, 16));
-            const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(word, high));
+          } else {
+            __m512 even, odd;
+            pagedq::split_bf16_pairs(word, even, odd);
             for (int64_t g = 0; g < kHeadsAtOnce; ++g) {
               acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * D + 2 * u]), even, acc[g]);
               acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * D + 2 * u + 1]), odd, acc[g]);

@@ -62,6 +62,12 @@ inline float fast_exp(float x) {
 // 16 bfloat16 values as float32: a bfloat16 is the top half of its float32.
 inline __m512 widen_bf16(__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); }
 
+// A register of 32-bit words, each a pair of bfloat16 values, as two of float32: the first of each pair, the second.
+inline void split_bf16_pairs(__m512i words, __m512& first, __m512& second) {
+  first = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+  second = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))));
+}
+
 // 16 values from p as float32.
 template <typename T>
 inline __m512 load16(const T* p) {

@@ -171,8 +171,8 @@ inline void vec_values(VecScratch<D>& w) {
   }
 }
 
-// The item's queries, transposed: float32 by gathers of 16 rows from its first row (a bfloat16 pair gathered as
-// one 32-bit word and split); other dtypes one by one. Padding rows are zeros.
+// The item's queries, transposed: float32 and bfloat16 by gathers of 16 rows from its first row (a bfloat16 pair
+// gathered as one 32-bit word and split); other dtypes one by one. Padding rows are zeros.
 template <typename T, int64_t D>
 inline void load_queries(const Args<T>& a, const Rows<T>& rows, VecScratch<D>& w) {
   constexpr bool kFloat = std::is_same_v<T, float>, kBf16 = std::is_same_v<T, at::BFloat16>;
@@ -191,8 +191,10 @@ inline void load_queries(const Args<T>& a, const Rows<T>& rows, VecScratch<D>& w
         if constexpr (kFloat) {
           _mm512_store_si512(&w.qt[u][c], x);
         } else {
-          _mm512_store_si512(&w.qt[2 * u][c], _mm512_slli_epi32(x, 16));
-          _mm512_store_si512(&w.qt[2 * u + 1][c], _mm512_and_si512(x, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))));
+          __m512 first, second;
+          pagedq::split_bf16_pairs(x, first, second);
+          _mm512_store_ps(&w.qt[2 * u][c], first);
+          _mm512_store_ps(&w.qt[2 * u + 1][c], second);
         }
       }
     }
@@ -216,19 +218,21 @@ void attend_item(const Args<T>& a, const Item& it, VecScratch<D>& w) {
   const int64_t keys = rows.keys();
   for (int64_t j0 = 0; j0 < keys; j0 += kTile) {
     const int64_t n = std::min(kTile, keys - j0);
+    const T* values[kTile];  // past n, none
     for (int64_t j = 0; j < kTile; ++j) {
-      const T* v = j < n ? cache_row(a.v, table, j0 + j, it.head, a) : nullptr;
-      if (v != nullptr) prefetch_row(v, D * sizeof(T));  // read after the scores
+      values[j] = j < n ? cache_row(a.v, table, j0 + j, it.head, a) : nullptr;
+      if (values[j] != nullptr) prefetch_row(values[j], D * sizeof(T));  // read after the scores
       load_row<T, D>(j < n ? cache_row(a.k, table, j0 + j, it.head, a) : nullptr, w.k[j]);
     }
     vec_scores(w, j0, a.scale);
     vec_softmax(w);
-    for (int64_t j = 0; j < kTile; ++j) load_row<T, D>(j < n ? cache_row(a.v, table, j0 + j, it.head, a) : nullptr, w.v[j]);
+    for (int64_t j = 0; j < kTile; ++j) load_row<T, D>(values[j], w.v[j]);
     vec_values(w);
   }
   for (int64_t r = 0; r < rows.rows; ++r)
     for (int64_t d = 0; d < D; ++d) a.out[rows.at(r, d, D)] = static_cast<T>(w.ot[d][r] / w.l[r]);
 }
+
 using pagedq::kHeadSizes;
 
 // One thread's bins of items, with its scratch for head size D.
