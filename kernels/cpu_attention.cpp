@@ -19,6 +19,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -42,12 +44,12 @@ inline const float* as_floats(const T* row, float* buf) {
 
 // The next block's rows of one head (up to `left` of them), before they are read: blocks are scattered, where the
 // hardware prefetcher cannot guess.
-template <typename T>
+template <typename T, int kLocality = 3>  // __builtin_prefetch's: 3 is prefetcht0, into L1
 inline void prefetch_block(const T* head, int64_t left, const Shape& s) {
   const int64_t token_stride = s.kv_heads * s.head_dim, row_bytes = s.head_dim * static_cast<int64_t>(sizeof(T));
   const char* next = reinterpret_cast<const char*>(head);
   for (int64_t o = 0; o < std::min(s.block_size, left); ++o)
-    for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(next + o * token_stride * sizeof(T) + c);
+    for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(next + o * token_stride * sizeof(T) + c, 0, kLocality);
 }
 
 // Calls f(t, row) for the rows of tokens [0, len) of one head, block by block: no division per token.
@@ -124,29 +126,7 @@ constexpr bool kLanePath = std::is_same_v<T, float> || std::is_same_v<T, at::BFl
 // Query heads padded to a multiple of kHeadsAtOnce: their rows of queries and weights are zeros.
 inline int64_t padded_group(int64_t group) { return (group + kHeadsAtOnce - 1) / kHeadsAtOnce * kHeadsAtOnce; }
 
-// Transposes 16 rows of 16 32-bit words in registers: r[i] is row i before, column i after.
-inline void transpose16(__m512i* r) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 16; i += 8)
-    for (int j = 0; j < 4; ++j) {
-      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
-      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
-    }
-  for (int j = 0; j < 8; ++j) {
-    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
-    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
-  }
-}
+using pagedq::transpose16;
 
 // Scores of `group` queries (float32, pre-scaled; rows padded to padded_group) against keys [0, len) of one head.
 template <typename T, int64_t D>
@@ -236,10 +216,156 @@ void values_lanes(const float* p, const T* v_head, const int32_t* table, int64_t
 inline int64_t padded_group(int64_t group) { return group; }
 #endif
 
+#if defined(PAGEDQ_AMX)
+// The AMX path, bfloat16, for head sizes a multiple of 32 in blocks a multiple of 16 tokens, and up to 16 query
+// heads per KV head. Scores: 16 keys' rows are an A tile as they sit in the block (no transpose), the queries'
+// transpose the B tile, so a C tile holds 16 keys by the heads. Values: 32 tokens' rows are interleaved in pairs
+// into B tiles (their columns are dimensions in the order the interleave leaves them), the softmax weights in
+// bfloat16 the A tile, and the C tiles sum over the whole sequence in float32. Tiles of every thread are 16 rows
+// of 64 bytes; the scores use tiles 0-2, the values 0-1 (B), 3 (A) and 4-7 (C).
+constexpr int64_t kTileRows = 16, kPairsPerRow = 16, kKeysAtOnce = 16, kTokensAtOnce = 32, kDimsAtOnce = 64;
+constexpr int64_t kBlocksAhead = 2;
+constexpr int kIntoL2 = 2;  // __builtin_prefetch's locality: prefetcht1
+
+inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+
+struct AmxWork {
+  alignas(64) uint32_t qt[8][kTileRows][kPairsPerRow];  // B tiles: row r of tile c, dims 32c + 2r and + 1, by head
+  alignas(64) float scores[kTileRows][kPairsPerRow];     // one C tile of scores: keys by heads
+  pagedq::ValueTiles values;                             // 32 tokens' values
+  alignas(64) float sums[kTileRows][kDimsAtOnce];        // C tiles of weighted values: heads by dims
+  std::vector<float> p;                                  // scores [group][len rounded up to 16]
+  int64_t stride;                                        // of weights' rows: the longest sequence, rounded up
+  std::vector<at::BFloat16> weights;                     // softmax weights [16][stride]; rows past the group zero
+  explicit AmxWork(int64_t max_len) : stride(round_up(max_len, kTokensAtOnce)), weights(kTileRows * stride) {}
+};
+
+inline __mmask16 first_lanes(int64_t n) { return static_cast<__mmask16>((1u << std::min<int64_t>(n, kLanes)) - 1); }
+
+// Raw scores q . k of the group's heads against keys [0, len) into w.p, and each head's lane-wise maximum.
+template <int64_t D>
+void amx_scores(const at::BFloat16* q_row, const at::BFloat16* k_head, const at::BFloat16* v_head, const int32_t* table, int64_t len,
+                const Shape& s, int64_t group, AmxWork& w, __m512* top) {
+  constexpr int64_t kChunks = D / 32;
+  const auto* q_words = reinterpret_cast<const uint32_t*>(q_row);
+  std::memset(w.qt, 0, sizeof(w.qt[0]) * kChunks);
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t u = 0; u < D / 2; ++u) w.qt[u / kTileRows][u % kTileRows][g] = q_words[g * D / 2 + u];
+  const int64_t token_stride = s.kv_heads * D, block_stride = s.block_size * token_stride, len16 = round_up(len, 16);
+  w.p.resize(group * len16);
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(kPairsPerRow));
+  const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t g = 0; g < group; ++g) top[g] = none;
+  // Keys kBlocksAhead blocks ahead, into L1; each block's values as its keys are scored, into L2, where the
+  // values pass finds them (a sequence's values of one head are tens of KB). Without them the tiles wait on memory.
+  const int64_t blocks = (len + s.block_size - 1) / s.block_size;
+  const auto keys_of = [&](int64_t b) { return k_head + static_cast<int64_t>(table[b]) * block_stride; };
+  for (int64_t b = 0; b < std::min(kBlocksAhead, blocks); ++b) prefetch_block(keys_of(b), len - b * s.block_size, s);
+  for (int64_t t = 0, b = 0; t < len; ++b) {
+    const at::BFloat16* block = keys_of(b);
+    const int64_t end = std::min(len, t + s.block_size);
+    if (b + kBlocksAhead < blocks) prefetch_block(keys_of(b + kBlocksAhead), len - (b + kBlocksAhead) * s.block_size, s);
+    prefetch_block<at::BFloat16, kIntoL2>(v_head + static_cast<int64_t>(table[b]) * block_stride, len - t, s);
+    for (int64_t t0 = t; t0 < end; t0 += kKeysAtOnce) {
+      // Rows past `end` are still this block's (unused lanes below).
+      const at::BFloat16* keys = block + (t0 - t) * token_stride;
+      _tile_zero(0);
+      for (int64_t c = 0; c < kChunks; ++c) {
+        _tile_loadd(1, keys + c * 32, token_stride * sizeof(at::BFloat16));
+        _tile_loadd(2, w.qt[c], sizeof(w.qt[c][0]));
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, w.scores, sizeof(w.scores[0]));
+      const __mmask16 valid = first_lanes(end - t0);
+      for (int64_t g = 0; g < group; ++g) {
+        const __m512 x = _mm512_mask_i32gather_ps(none, valid, _mm512_add_epi32(column, _mm512_set1_epi32(g)),
+                                                  &w.scores[0][0], 4);
+        _mm512_storeu_ps(w.p.data() + g * len16 + t0, x);
+        top[g] = _mm512_max_ps(top[g], x);
+      }
+    }
+    t = end;
+  }
+}
+
+// The scores' softmax as bfloat16 weights (rows of w.weights, zeros to a multiple of 32 tokens), but for the
+// division by each head's sum: inv[g] is 1 / sum, applied to the weighted values.
+inline void amx_softmax(int64_t len, int64_t group, float scale, const __m512* top, AmxWork& w, float* inv) {
+  const int64_t len16 = round_up(len, 16), len32 = round_up(len, kTokensAtOnce);
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < group; ++g) {
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top[g]));
+    const float* p = w.p.data() + g * len16;
+    at::BFloat16* out = w.weights.data() + g * w.stride;
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < len32; t0 += kLanes) {
+      __m512 e = _mm512_setzero_ps();
+      if (t0 < len)
+        e = _mm512_maskz_mov_ps(first_lanes(len - t0),
+                                pagedq::exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(p + t0), m), sc)));
+      sum = _mm512_add_ps(sum, e);
+      const __m256bh narrow = _mm512_cvtneps_pbh(e);
+      std::memcpy(out + t0, &narrow, sizeof narrow);
+    }
+    inv[g] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+}
+
+// out[g] = inv[g] * sum_t weights[g, t] * v[t], 64 dimensions (or the last 32) at a time.
+template <int64_t D>
+void amx_values(const at::BFloat16* v_head, const int32_t* table, int64_t len, const Shape& s, int64_t group,
+                const float* inv, AmxWork& w, at::BFloat16* o_row) {
+  const int64_t token_stride = s.kv_heads * D, block_stride = s.block_size * token_stride;
+  for (int64_t d0 = 0; d0 < D; d0 += kDimsAtOnce) {
+    const bool wide = D - d0 >= kDimsAtOnce;  // else the last 32
+    const auto row_of = [&](int64_t t) -> const at::BFloat16* {
+      if (t >= len) return nullptr;
+      return v_head + static_cast<int64_t>(table[t / s.block_size]) * block_stride + t % s.block_size * token_stride + d0;
+    };
+    pagedq::zero_sums();
+    for (int64_t t0 = 0; t0 < len; t0 += kTokensAtOnce) {
+      const at::BFloat16* first[2] = {row_of(t0), row_of(t0 + kKeysAtOnce)};
+      w.values.pack(first, token_stride, len - t0, wide);
+      _tile_loadd(3, w.weights.data() + t0, w.stride * sizeof(at::BFloat16));
+      w.values.weigh(wide);
+    }
+    pagedq::store_sums(&w.sums[0][0], kDimsAtOnce);
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t j = 0; j < (wide ? kDimsAtOnce : kDimsAtOnce / 2); ++j)
+        o_row[g * D + d0 + pagedq::packed_dim(j / 16, j % 16)] = static_cast<at::BFloat16>(w.sums[g][j] * inv[g]);
+  }
+}
+
+template <int64_t D>
+void attend_amx(const at::BFloat16* q_row, const at::BFloat16* k_head, const at::BFloat16* v_head,
+                const int32_t* table, int64_t len, const Shape& s, int64_t group, AmxWork& w, at::BFloat16* o_row) {
+  __m512 top[kPairsPerRow];
+  float inv[kPairsPerRow];
+  amx_scores<D>(q_row, k_head, v_head, table, len, s, group, w, top);
+  amx_softmax(len, group, s.scale, top, w, inv);
+  amx_values<D>(v_head, table, len, s, group, inv, w, o_row);
+}
+#endif
+
+// A thread's scratch: float rows for the AVX-512 and plain paths, tiles' buffers where it runs on AMX.
+struct Work {
+  std::vector<float> floats;
+#if defined(PAGEDQ_AMX)
+  std::unique_ptr<AmxWork> amx;
+#endif
+};
+
 // One (sequence, KV head): its `group` query heads attend to the sequence's keys and values.
 template <typename T, int64_t D>
 void attend(const T* q_row, const T* k_head, const T* v_head, const int32_t* table, int64_t len, const Shape& s,
-            int64_t group, std::vector<float>& work, T* o_row) {
+            int64_t group, Work& scratch, T* o_row) {
+#if defined(PAGEDQ_AMX)
+  if constexpr (std::is_same_v<T, at::BFloat16> && D % 32 == 0) {
+    if (scratch.amx) return attend_amx<D>(q_row, k_head, v_head, table, len, s, group, *scratch.amx, o_row);
+  }
+#endif
+  std::vector<float>& work = scratch.floats;
   const int64_t rows = padded_group(group);
   work.assign(rows * D + group * D + group + rows * len, 0.f);  // padding rows of queries and weights stay zeros
   float *qf = work.data(), *acc = qf + rows * D, *inv = acc + group * D, *p = inv + group;
@@ -263,7 +389,7 @@ using pagedq::kHeadSizes;
 
 template <typename T, size_t I = 0>
 void attend_any(const T* q_row, const T* k_head, const T* v_head, const int32_t* table, int64_t len,
-                const Shape& s, int64_t group, std::vector<float>& work, T* o_row) {
+                const Shape& s, int64_t group, Work& work, T* o_row) {
   if constexpr (I < std::size(kHeadSizes)) {
     if (s.head_dim == kHeadSizes[I]) {
       attend<T, kHeadSizes[I]>(q_row, k_head, v_head, table, len, s, group, work, o_row);
@@ -274,6 +400,15 @@ void attend_any(const T* q_row, const T* k_head, const T* v_head, const int32_t*
 }
 
 std::vector<int64_t> head_sizes() { return {std::begin(kHeadSizes), std::end(kHeadSizes)}; }
+
+// Whether bfloat16 decodes run on AMX tiles here: built for a CPU with AMX, and the tile state granted.
+bool decode_uses_amx() {
+#if defined(PAGEDQ_AMX)
+  return pagedq::amx_ready();
+#else
+  return false;
+#endif
+}
 
 template <typename T>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* rows,
@@ -288,7 +423,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   std::vector<int64_t> costs(n);
   for (int64_t i = 0; i < n; ++i) costs[i] = lens[seqs[i]] + 1;
   const auto bins = pagedq::balance(costs, at::get_num_threads());
-  auto attend_seq = [&](int64_t i, std::vector<float>& work) {
+  auto attend_seq = [&](int64_t i, Work& work) {
     const int64_t len = lens[seqs[i]];
     const int32_t* table = tables + seqs[i] * s.table_stride;
     for (int64_t h = 0; h < s.kv_heads; ++h) {
@@ -300,8 +435,20 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       }
     }
   };
+#if defined(PAGEDQ_AMX)
+  const bool amx = std::is_same_v<T, at::BFloat16> && s.head_dim % 32 == 0 && s.block_size % kKeysAtOnce == 0 &&
+                   group <= kPairsPerRow && pagedq::amx_ready();
+  const int64_t max_len = n ? *std::max_element(costs.begin(), costs.end()) : 0;
+#endif
   at::parallel_for(0, static_cast<int64_t>(bins.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> work;
+    Work work;
+#if defined(PAGEDQ_AMX)
+    std::optional<pagedq::Tiles> tiles;
+    if (amx) {
+      tiles.emplace();
+      work.amx = std::make_unique<AmxWork>(max_len);
+    }
+#endif
     for (int64_t bin = begin; bin < end; ++bin)
       for (const int64_t i : bins[bin]) attend_seq(i, work);
   });
@@ -378,6 +525,7 @@ TORCH_LIBRARY(pagedq, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor rows, Tensor seqs, Tensor seq_lens, "
         "Tensor block_table, float scale, Tensor(a!) out) -> ()");
   m.def("head_sizes() -> int[]", &head_sizes);
+  m.def("decode_uses_amx() -> bool", &decode_uses_amx);
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
 }
 

@@ -15,13 +15,19 @@
 
 namespace {
 
-// Rows of a [N, H] tensor whose last dimension is contiguous: the row stride is stride(0).
+// Rows of a [N, H] tensor whose last dimension is contiguous: the row stride is stride(0). With a residual, x is
+// first added to it in place (rounded to T, as torch's sum is) and the sum is normalized.
 template <typename T>
-void norm_rows(const T* x, int64_t x_stride, const T* w, float eps, int64_t n, int64_t h, T* out,
-               int64_t out_stride) {
+void norm_rows(const T* x, int64_t x_stride, T* residual, int64_t residual_stride, const T* w, float eps, int64_t n,
+               int64_t h, T* out, int64_t out_stride) {
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * x_stride;
+      if (residual != nullptr) {
+        T* sum = residual + r * residual_stride;
+        for (int64_t i = 0; i < h; ++i) sum[i] = static_cast<T>(static_cast<float>(sum[i]) + static_cast<float>(xr[i]));
+        xr = sum;
+      }
       T* o = out + r * out_stride;
       float sq = 0.f;
       for (int64_t i = 0; i < h; ++i) sq += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
@@ -36,15 +42,33 @@ void check_rows(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, what, ": a [N, H] tensor with contiguous rows");
 }
 
-// out = weight * rmsnorm(x): x in float32, normalized, cast back, times the weight (transformers' order).
-void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor out) {
+void check_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
   check_rows(x, "rms_norm x");
   check_rows(out, "rms_norm out");
   TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type(),
               "rms_norm: x, weight and out share a dtype");
+  TORCH_CHECK(weight.numel() == x.size(1) && out.sizes() == x.sizes(), "rms_norm: shapes");
+}
+
+// out = weight * rmsnorm(x): x in float32, normalized, cast back, times the weight (transformers' order).
+void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor out) {
+  check_norm(x, weight, out);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    norm_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), weight.data_ptr<scalar_t>(), static_cast<float>(eps),
-                        x.size(0), x.size(1), out.data_ptr<scalar_t>(), out.stride(0));
+    norm_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), nullptr, 0, weight.data_ptr<scalar_t>(),
+                        static_cast<float>(eps), x.size(0), x.size(1), out.data_ptr<scalar_t>(), out.stride(0));
+  });
+}
+
+// residual += x (rounded as torch rounds the sum), then out = rms_norm(residual): a decoder layer's residual add
+// and the next norm in one pass.
+void add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight, double eps, at::Tensor out) {
+  check_norm(x, weight, out);
+  check_rows(residual, "rms_norm residual");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(), "add_rms_norm: residual");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    norm_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), residual.data_ptr<scalar_t>(), residual.stride(0),
+                        weight.data_ptr<scalar_t>(), static_cast<float>(eps), x.size(0), x.size(1),
+                        out.data_ptr<scalar_t>(), out.stride(0));
   });
 }
 
@@ -146,11 +170,13 @@ TORCH_LIBRARY_FRAGMENT(pagedq, m) {
   m.def("silu_and_mul_built() -> bool", &silu_and_mul_built);
   m.def("silu_and_mul(Tensor x, Tensor(a!) out) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps, Tensor(b!) out) -> ()");
   m.def("rotary(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedq, CPU, m) {
   m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rotary", &rotary);
   m.impl("silu_and_mul", &silu_and_mul);
 }

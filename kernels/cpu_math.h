@@ -13,6 +13,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 namespace pagedq {
 
@@ -82,6 +84,30 @@ inline __m512 load16(const T* p) {
   }
 }
 
+// Transposes 16 rows of 16 32-bit words in registers: r[i] is row i before, column i after.
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
 // fast_exp, 16 lanes at a time.
 inline __m512 exp16(__m512 x) {
   const __m512 y = _mm512_mul_ps(_mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f)),
@@ -93,6 +119,92 @@ inline __m512 exp16(__m512 x) {
                         6.931472028550421e-1f, 1.f})
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
   return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+// AMX: eight tile registers of up to 16 rows of 64 bytes, and a bfloat16 matrix multiply-add on them (C [M, N]
+// float32 += A [M, 32] bfloat16 times B, whose row r holds the pairs 2r, 2r + 1 of N columns). Linux hands out
+// the tile state only to a process that asks for it, once.
+#define PAGEDQ_AMX 1
+inline bool amx_ready() {
+  constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+  static const bool ready = syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  return ready;
+}
+
+// The tiles of the calling thread while it lives: all eight 16 rows of 64 bytes.
+struct Tiles {
+  struct alignas(64) Config {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  };
+  Tiles() {
+    Config c;
+    for (int i = 0; i < 8; ++i) c.colsb[i] = 64, c.rows[i] = 16;
+    _tile_loadconfig(&c);
+  }
+  ~Tiles() { _tile_release(); }
+  Tiles(const Tiles&) = delete;
+  Tiles& operator=(const Tiles&) = delete;
+};
+
+// Values of 32 tokens as B tiles, for weights (an A tile of 32 tokens) times values: row r of a tile pairs tokens 2r
+// and 2r + 1, 16-bit interleaved. A tile holds 16 dimensions of a 64-dimension slice (or of the last 32): column n
+// of tile j is dimension packed_dim(j, n), as the interleave, which works within 128-bit lanes, leaves them.
+struct ValueTiles {
+  alignas(64) uint32_t tile[4][16][16];
+
+  // first[h]: the slice's row of token 16h, its next 15 tokens `stride` elements apart (one block); tokens from
+  // `count` on are zeros (their slots may hold anything).
+  void pack(const c10::BFloat16* const first[2], int64_t stride, int64_t count, bool wide) {
+    for (int64_t half = 0; half < 2; ++half)
+      for (int64_t r = 0; r < 8; ++r) {
+        const int64_t a = half * 16 + 2 * r;
+        for (int64_t x = 0; x < (wide ? 2 : 1); ++x) {
+          const auto load = [&](int64_t t) {
+            return t < count ? _mm512_loadu_si512(first[half] + (t - half * 16) * stride + x * 32)
+                             : _mm512_setzero_si512();
+          };
+          const __m512i even = load(a), odd = load(a + 1);
+          _mm512_store_si512(tile[2 * x][half * 8 + r], _mm512_unpacklo_epi16(even, odd));
+          _mm512_store_si512(tile[2 * x + 1][half * 8 + r], _mm512_unpackhi_epi16(even, odd));
+        }
+      }
+  }
+
+  // C tiles 4-7 (4-5 where not wide) += A tile 3, the weights of the 32 tokens, times these; uses tiles 0 and 1.
+  void weigh(bool wide) const {
+    _tile_loadd(0, tile[0], sizeof(tile[0][0]));
+    _tile_loadd(1, tile[1], sizeof(tile[0][0]));
+    _tile_dpbf16ps(4, 3, 0);
+    _tile_dpbf16ps(5, 3, 1);
+    if (wide) {
+      _tile_loadd(0, tile[2], sizeof(tile[0][0]));
+      _tile_loadd(1, tile[3], sizeof(tile[0][0]));
+      _tile_dpbf16ps(6, 3, 0);
+      _tile_dpbf16ps(7, 3, 1);
+    }
+  }
+};
+
+inline int64_t packed_dim(int64_t j, int64_t n) { return 32 * (j / 2) + 8 * (n / 4) + 4 * (j % 2) + n % 4; }
+
+// C tiles 4-7 zeroed; stored as the columns [0, 64) of 16 rows `stride` floats apart.
+inline void zero_sums() {
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+}
+
+inline void store_sums(float* out, int64_t stride) {
+  const int64_t bytes = stride * static_cast<int64_t>(sizeof(float));
+  _tile_stored(4, out, bytes);
+  _tile_stored(5, out + 16, bytes);
+  _tile_stored(6, out + 32, bytes);
+  _tile_stored(7, out + 48, bytes);
 }
 #endif
 

@@ -16,6 +16,7 @@ import os
 import shutil
 import sysconfig
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,7 +26,8 @@ from kernels import torch_ops
 log = logging.getLogger("pagedq.kernels")
 
 GRAPH_SAFE = False
-FAST_LAYERS = True  # rms_norm, rotary and silu_and_mul below: the model uses them (LlamaForCausalLM.use_fast_layers)
+PLANNED = True  # paged_attention takes a step's plan dict (engine.models.llama.AttnContext.plan)
+FAST_LAYERS = True  # rms_norm, add_rms_norm, rotary and silu_and_mul below: the model uses them (LlamaForCausalLM.use_fast_layers)
 SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_layers.cpp", "cpu_sampling.cpp")]
 HEADERS = [Path(__file__).with_name("cpu_math.h")]
@@ -117,6 +119,35 @@ def _prefill_built(head_dim: int, group: int) -> bool:
     return head_dim in head_sizes() and group <= _prefill_max_group()
 
 
+@dataclass
+class _Plan:
+    """What paged_attention derives from a step's batch, the same for every layer: which sequences decode and which
+    prefill, and the index tensors in the kernels' dtypes."""
+
+    starts: list[int]
+    lens: list[int]
+    q_lens: list[int]
+    decoding: list[int]
+    prefilling: list[int]
+    query_start_loc: torch.Tensor  # int64
+    seq_lens: torch.Tensor  # int32
+    block_table: torch.Tensor  # int32
+    decode_seqs: torch.Tensor
+    decode_rows: torch.Tensor
+    prefill_seqs: torch.Tensor
+
+    @classmethod
+    def of(cls, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor) -> _Plan:
+        starts, lens, q_lens = torch_ops.split(query_start_loc, seq_lens)
+        decoding = [b for b, n in enumerate(q_lens) if n == 1]
+        prefilling = [b for b, n in enumerate(q_lens) if n > 1]
+        query_start_loc = query_start_loc.to(torch.int64).contiguous()
+        decode_seqs = torch.tensor(decoding, dtype=torch.int64)
+        return cls(starts, lens, q_lens, decoding, prefilling, query_start_loc, seq_lens.to(torch.int32).contiguous(),
+                   block_table.to(torch.int32).contiguous(), decode_seqs, query_start_loc.index_select(0, decode_seqs),
+                   torch.tensor(prefilling, dtype=torch.int64))
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -125,28 +156,26 @@ def paged_attention(
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
     scale: float,
+    plan: dict | None = None,
 ) -> torch.Tensor:
     """kernels.torch_ops.paged_attention's contract in C++: one-token queries to the decode kernel, longer ones
-    (prompts, chunks) to the prefill kernel; head shapes neither is built for go to the torch ops."""
+    (prompts, chunks) to the prefill kernel; head shapes neither is built for go to the torch ops. plan: a dict kept
+    for the step (AttnContext.plan), where what every layer would derive alike is derived once."""
+    cached = plan.get(__name__) if plan is not None else None
+    p = cached or _Plan.of(query_start_loc, seq_lens, block_table)
+    if plan is not None:
+        plan[__name__] = p
     out = torch.empty_like(q)
-    starts, lens, q_lens = torch_ops.split(query_start_loc, seq_lens)
-    decoding = [b for b, n in enumerate(q_lens) if n == 1]
-    if decoding and q.shape[2] not in head_sizes():
-        torch_ops.decode(q, k_cache, v_cache, decoding, starts, lens, block_table, scale, out)
-    elif decoding:
-        seqs = torch.tensor(decoding, dtype=torch.int64)
-        rows = query_start_loc.to(torch.int64).index_select(0, seqs)
-        torch.ops.pagedq.decode_attention(q.contiguous(), k_cache, v_cache, rows, seqs,
-                                          seq_lens.to(torch.int32).contiguous(),
-                                          block_table.to(torch.int32).contiguous(), scale, out)
-    prefilling = [b for b, n in enumerate(q_lens) if n > 1]
-    if prefilling and not _prefill_built(q.shape[2], q.shape[1] // k_cache.shape[2]):
-        torch_ops.prefill(q, k_cache, v_cache, starts, lens, q_lens, block_table, scale, out)
-    elif prefilling:
-        torch.ops.pagedq.prefill_attention(q.contiguous(), k_cache, v_cache, torch.tensor(prefilling, dtype=torch.int64),
-                                           query_start_loc.to(torch.int64).contiguous(),
-                                           seq_lens.to(torch.int32).contiguous(),
-                                           block_table.to(torch.int32).contiguous(), scale, out)
+    if p.decoding and q.shape[2] not in head_sizes():
+        torch_ops.decode(q, k_cache, v_cache, p.decoding, p.starts, p.lens, block_table, scale, out)
+    elif p.decoding:
+        torch.ops.pagedq.decode_attention(q.contiguous(), k_cache, v_cache, p.decode_rows, p.decode_seqs, p.seq_lens,
+                                          p.block_table, scale, out)
+    if p.prefilling and not _prefill_built(q.shape[2], q.shape[1] // k_cache.shape[2]):
+        torch_ops.prefill(q, k_cache, v_cache, p.starts, p.lens, p.q_lens, block_table, scale, out)
+    elif p.prefilling:
+        torch.ops.pagedq.prefill_attention(q.contiguous(), k_cache, v_cache, p.prefill_seqs, p.query_start_loc,
+                                           p.seq_lens, p.block_table, scale, out)
     return out
 
 
@@ -158,6 +187,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     out = torch.empty(rows.shape, dtype=x.dtype)
     torch.ops.pagedq.rms_norm(rows, weight, eps, out)
+    return out.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm(residual + x), with residual += x in place (the sum rounded as torch rounds it)."""
+    rows, stream = x.reshape(-1, x.shape[-1]), residual.view(-1, residual.shape[-1])
+    out = torch.empty(rows.shape, dtype=x.dtype)
+    torch.ops.pagedq.add_rms_norm(rows, stream, weight, eps, out)
     return out.view(x.shape)
 
 

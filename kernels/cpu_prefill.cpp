@@ -233,32 +233,205 @@ void attend_item(const Args<T>& a, const Item& it, VecScratch<D>& w) {
     for (int64_t d = 0; d < D; ++d) a.out[rows.at(r, d, D)] = static_cast<T>(w.ot[d][r] / w.l[r]);
 }
 
+
+#if defined(PAGEDQ_AMX)
+// The AMX path, bfloat16, for head sizes a multiple of 32, blocks a multiple of 16 tokens and up to 16 query heads
+// per KV head. An item is 16 rows (whole tokens' query heads; padding rows past them), in three passes, as the decode
+// kernel: scores of every key the item sees, as C tiles of 16 keys by the rows, from the keys' rows as they sit in
+// the block (A tiles) and the queries transposed (B tiles); the exact softmax, lane-wise (rows in lanes), its
+// weights transposed in registers into A tiles of 16 rows by 32 keys in bfloat16; then weights times the values,
+// packed into B tiles, summed in the C tiles over all keys, a 64-dim slice at a time, with nothing to rescale.
+// Tiles: all eight for the scores, then values 0-1 (B), 3 (A), 4-7 (C), as in the decode kernel.
+constexpr int64_t kAmxRows = 16, kAmxKeys = 32, kAmxDims = 64;
+
+template <int64_t D>
+struct AmxScratch {
+  alignas(64) uint32_t qt[D / 32][16][kAmxRows];  // B tiles: row r of tile c, dims 32c + 2r and + 1, by row
+  alignas(64) float sums[kAmxRows][kAmxDims];       // one slice of weighted values
+  std::vector<float> s;                             // scores, then weights: keys by rows
+  std::vector<uint32_t> p;                          // the weights as A tiles: per 32 keys, rows by key pairs
+  pagedq::ValueTiles values;
+};
+
+template <int64_t D>
+void amx_load_queries(const Args<at::BFloat16>& a, const Rows<at::BFloat16>& rows, AmxScratch<D>& w) {
+  std::memset(w.qt, 0, sizeof w.qt);
+  for (int64_t r = 0; r < rows.rows; ++r) {
+    const auto* words = reinterpret_cast<const uint32_t*>(a.q + rows.at(r, 0, D));
+    for (int64_t u = 0; u < D / 2; ++u) w.qt[u / 16][u % 16][r] = words[u];
+  }
+}
+
+// Scores of keys [0, keys) (rounded up to 32) into w.s, scaled and causally masked -> each row's maximum.
+template <int64_t D>
+__m512 amx_scores(const Args<at::BFloat16>& a, const int32_t* table, int64_t head, int64_t keys, __m512 pos,
+                  AmxScratch<D>& w) {
+  const int64_t row_bytes = a.kv_heads * D * static_cast<int64_t>(sizeof(at::BFloat16));
+  const int64_t padded = (keys + kAmxKeys - 1) / kAmxKeys * kAmxKeys;
+  w.s.resize(padded * kAmxRows);
+  // Two chunks of 16 keys at once, in tiles 0, 1, 6 and 4, 5, 7, so that one's multiply-adds run while the other's
+  // wait; the queries' B tiles (2, 3) stay loaded where there are at most two.
+  constexpr int64_t kChunks = D / 32;
+  constexpr bool kResident = kChunks <= 2;
+  if constexpr (kResident) {
+    _tile_loadd(2, w.qt[0], sizeof(w.qt[0][0]));
+    if constexpr (kChunks == 2) _tile_loadd(3, w.qt[1], sizeof(w.qt[0][0]));
+  }
+  for (int64_t k0 = 0; k0 < keys; k0 += kAmxKeys) {
+    const at::BFloat16* first = cache_row(a.k, table, k0, head, a);  // its block holds the next 15 rows
+    // Past the sequence's keys, the first chunk again: its scores land past `keys`, where they are masked.
+    const at::BFloat16* second = k0 + 16 < keys ? cache_row(a.k, table, k0 + 16, head, a) : first;
+    _tile_zero(0);
+    _tile_zero(4);
+    for (int64_t c = 0; c < kChunks; c += 2) {
+      if constexpr (!kResident) _tile_loadd(2, w.qt[c], sizeof(w.qt[0][0]));
+      _tile_loadd(1, first + c * 32, row_bytes);
+      _tile_loadd(5, second + c * 32, row_bytes);
+      _tile_dpbf16ps(0, 1, 2);
+      _tile_dpbf16ps(4, 5, 2);
+      if (c + 1 < kChunks) {
+        if constexpr (!kResident) _tile_loadd(3, w.qt[c + 1], sizeof(w.qt[0][0]));
+        _tile_loadd(6, first + (c + 1) * 32, row_bytes);
+        _tile_loadd(7, second + (c + 1) * 32, row_bytes);
+        _tile_dpbf16ps(0, 6, 3);
+        _tile_dpbf16ps(4, 7, 3);
+      }
+    }
+    _tile_stored(0, w.s.data() + k0 * kAmxRows, kAmxRows * sizeof(float));
+    _tile_stored(4, w.s.data() + (k0 + 16) * kAmxRows, kAmxRows * sizeof(float));
+  }
+  const __m512 scale = _mm512_set1_ps(a.scale), none = _mm512_set1_ps(kNegInf);
+  __m512 top = none;
+  for (int64_t j = 0; j < padded; ++j) {  // keys past the sequence's are past every row's position too
+    float* row = w.s.data() + j * kAmxRows;
+    const __mmask16 seen = _mm512_cmp_ps_mask(_mm512_set1_ps(static_cast<float>(j)), pos, _CMP_LE_OQ);
+    const __m512 x = _mm512_mask_blend_ps(seen, none, _mm512_mul_ps(_mm512_loadu_ps(row), scale));
+    _mm512_storeu_ps(row, x);
+    top = _mm512_max_ps(top, x);
+  }
+  return top;
+}
+
+// The softmax's weights, as A tiles of 16 rows by 32 keys in bfloat16 (w.p) -> 1 / each row's sum.
+template <int64_t D>
+__m512 amx_softmax(int64_t keys, __m512 top, AmxScratch<D>& w) {
+  const int64_t tiles = (keys + kAmxKeys - 1) / kAmxKeys;
+  w.p.resize(tiles * kAmxRows * 16);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < tiles; ++t) {
+    __m512i pairs[16];
+    for (int64_t r = 0; r < 16; ++r) {
+      const float* even_row = w.s.data() + (t * kAmxKeys + 2 * r) * kAmxRows;
+      const __m512 even = pagedq::exp16(_mm512_sub_ps(_mm512_loadu_ps(even_row), top));
+      const __m512 odd = pagedq::exp16(_mm512_sub_ps(_mm512_loadu_ps(even_row + kAmxRows), top));
+      sum = _mm512_add_ps(sum, _mm512_add_ps(even, odd));
+      const __m256bh e = _mm512_cvtneps_pbh(even), o = _mm512_cvtneps_pbh(odd);
+      __m256i e16, o16;
+      std::memcpy(&e16, &e, sizeof e16);
+      std::memcpy(&o16, &o, sizeof o16);
+      pairs[r] = _mm512_or_si512(_mm512_cvtepu16_epi32(e16), _mm512_slli_epi32(_mm512_cvtepu16_epi32(o16), 16));
+    }
+    pagedq::transpose16(pairs);  // lanes were rows: now pairs[row] holds the row's 16 key pairs
+    for (int64_t r = 0; r < kAmxRows; ++r) _mm512_storeu_si512(w.p.data() + (t * kAmxRows + r) * 16, pairs[r]);
+  }
+  return _mm512_div_ps(_mm512_set1_ps(1.f), sum);
+}
+
+// out = (weights x values) / sum for the item's rows, a 64-dim slice at a time.
+template <int64_t D>
+void amx_values(const Args<at::BFloat16>& a, const Rows<at::BFloat16>& rows, const int32_t* table, int64_t head,
+                int64_t keys, __m512 inv, AmxScratch<D>& w) {
+  alignas(64) float inv_rows[kAmxRows];
+  _mm512_store_ps(inv_rows, inv);
+  // Columns of two value tiles back in dimension order: 4 of one, 4 of the other, in turn.
+  const __m512i low = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i high = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t d0 = 0; d0 < D; d0 += kAmxDims) {
+    const bool wide = D - d0 >= kAmxDims;
+    const auto row_of = [&](int64_t t) -> const at::BFloat16* {
+      return t < keys ? cache_row(a.v, table, t, head, a) + d0 : nullptr;
+    };
+    pagedq::zero_sums();
+    for (int64_t j0 = 0, t = 0; j0 < keys; j0 += kAmxKeys, ++t) {
+      const at::BFloat16* first[2] = {row_of(j0), row_of(j0 + 16)};
+      w.values.pack(first, a.kv_heads * D, keys - j0, wide);
+      _tile_loadd(3, w.p.data() + t * kAmxRows * 16, 16 * sizeof(uint32_t));
+      w.values.weigh(wide);
+    }
+    pagedq::store_sums(&w.sums[0][0], kAmxDims);
+    for (int64_t r = 0; r < rows.rows; ++r) {
+      const __m512 f = _mm512_set1_ps(inv_rows[r]);
+      for (int64_t x = 0; x < (wide ? 2 : 1); ++x) {  // tiles 2x and 2x + 1 hold dims [32x, 32x + 32)
+        const __m512 a0 = _mm512_load_ps(&w.sums[r][32 * x]), a1 = _mm512_load_ps(&w.sums[r][32 * x + 16]);
+        const __m512 lo = _mm512_mul_ps(_mm512_permutex2var_ps(a0, low, a1), f);
+        const __m512 hi = _mm512_mul_ps(_mm512_permutex2var_ps(a0, high, a1), f);
+        const __m512bh both = _mm512_cvtne2ps_pbh(hi, lo);
+        std::memcpy(a.out + rows.at(r, d0 + 32 * x, D), &both, sizeof both);
+      }
+    }
+  }
+}
+
+template <int64_t D>
+void attend_item_amx(const Args<at::BFloat16>& a, const Item& it, AmxScratch<D>& w) {
+  const Rows<at::BFloat16> rows(a, it);
+  const int32_t* table = a.tables + it.seq * a.table_stride;
+  amx_load_queries(a, rows, w);
+  alignas(64) float pos[kAmxRows];
+  for (int64_t r = 0; r < kAmxRows; ++r) pos[r] = rows.pos(r);
+  const int64_t keys = rows.keys();
+  const __m512 top = amx_scores(a, table, it.head, keys, _mm512_load_ps(pos), w);
+  amx_values(a, rows, table, it.head, keys, amx_softmax(keys, top, w), w);
+}
+#endif
+
 using pagedq::kHeadSizes;
 
 // One thread's bins of items, with its scratch for head size D.
 template <typename T, int64_t D>
-void attend_items(const Args<T>& a, const std::vector<Item>* bins, int64_t begin, int64_t end) {
+void attend_items(const Args<T>& a, const std::vector<Item>* bins, int64_t begin, int64_t end, bool amx) {
+#if defined(PAGEDQ_AMX)
+  if constexpr (std::is_same_v<T, at::BFloat16> && D % 32 == 0) {
+    if (amx) {
+      const pagedq::Tiles tiles;
+      auto w = std::make_unique<AmxScratch<D>>();
+      for (int64_t b = begin; b < end; ++b)
+        for (const Item& it : bins[b]) attend_item_amx<D>(a, it, *w);
+      return;
+    }
+  }
+#endif
   auto w = std::make_unique<VecScratch<D>>();
   for (int64_t b = begin; b < end; ++b)
     for (const Item& it : bins[b]) attend_item<T, D>(a, it, *w);
 }
 
 template <typename T, size_t I = 0>
-void attend_any(const Args<T>& a, const std::vector<Item>* bins, int64_t begin, int64_t end) {
+void attend_any(const Args<T>& a, const std::vector<Item>* bins, int64_t begin, int64_t end, bool amx) {
   if constexpr (I < std::size(kHeadSizes)) {
     if (a.head_dim == kHeadSizes[I]) {
-      attend_items<T, kHeadSizes[I]>(a, bins, begin, end);
+      attend_items<T, kHeadSizes[I]>(a, bins, begin, end, amx);
     } else {
-      attend_any<T, I + 1>(a, bins, begin, end);
+      attend_any<T, I + 1>(a, bins, begin, end, amx);
     }
   }
+}
+
+// The rows of an item where this call runs on AMX tiles (the AMX path's conditions above), else 0.
+int64_t amx_rows(at::ScalarType dtype, int64_t head_dim, int64_t block_size, int64_t group) {
+#if defined(PAGEDQ_AMX)
+  const bool fits = dtype == at::kBFloat16 && head_dim % 32 == 0 && block_size % 16 == 0 && group <= kAmxRows;
+  return fits && pagedq::amx_ready() ? kAmxRows : 0;
+#else
+  return 0;
+#endif
 }
 
 // Items cut from each sequence's new tokens, in bins of about equal cost, one per thread (a late tile of a long
 // prompt sees many more keys than an early one).
 std::vector<std::vector<Item>> plan(const int64_t* seqs, int64_t n, const int64_t* starts, const int32_t* lens,
-                                    int64_t group, int64_t kv_heads, int64_t bins) {
-  const int64_t per_item = kRows / group;
+                                    int64_t group, int64_t kv_heads, int64_t bins, int64_t rows_per_item) {
+  const int64_t per_item = rows_per_item / group;
   std::vector<Item> items;
   std::vector<int64_t> costs;
   for (int64_t i = 0; i < n; ++i) {
@@ -321,13 +494,15 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
   }
   const int64_t group = q_heads / kv_heads;
   TORCH_CHECK(group <= kRows, "prefill_attention: more than ", kRows, " query heads per KV head");
-  const auto bins = plan(seq_p, n, starts, lens, group, kv_heads, at::get_num_threads());
+  const int64_t tile_rows = amx_rows(q.scalar_type(), head_dim, block_size, group);
+  const bool amx = tile_rows > 0;
+  const auto bins = plan(seq_p, n, starts, lens, group, kv_heads, at::get_num_threads(), amx ? tile_rows : kRows);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention", [&] {
     const Args<scalar_t> a{q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                            out.data_ptr<scalar_t>(), starts, lens, block_table.data_ptr<int32_t>(), q_heads,
                            kv_heads, head_dim, block_size, block_table.size(1), static_cast<float>(scale)};
     at::parallel_for(0, static_cast<int64_t>(bins.size()), 1,
-                     [&](int64_t begin, int64_t end) { attend_any<scalar_t>(a, bins.data(), begin, end); });
+                     [&](int64_t begin, int64_t end) { attend_any<scalar_t>(a, bins.data(), begin, end, amx); });
   });
 }
 

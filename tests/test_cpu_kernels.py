@@ -41,6 +41,20 @@ def test_decode_reads_the_blocks_in_place(built, hq, hkv, head_dim, dtype):
     assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
+@pytest.mark.parametrize("block_size", [8, 32, 64])
+@pytest.mark.parametrize("hq, hkv, head_dim", [(16, 1, 64), (17, 1, 32), (12, 2, 96)])
+def test_bfloat16_attention_on_amx_tiles_and_past_them(built, block_size, hq, hkv, head_dim):
+    # Where the CPU has AMX, bfloat16 decodes and prefills of head sizes a multiple of 32 (96: an odd number of
+    # 32-dim tiles), in blocks a multiple of 16 tokens, with up to 16 query heads per KV head run on tiles; 8-token
+    # blocks and 17 query heads take the AVX-512 paths. Long sequences cross many blocks; 32-key tiles end inside one.
+    amx_flags = " amx_bf16 " in Path("/proc/cpuinfo").read_text().replace("\n", " ")
+    assert torch.ops.pagedq.decode_uses_amx() == amx_flags
+    shapes = [(0, 1), (1, 1), (16, 1), (47, 1), (64, 1), (300, 1), (700, 1), (0, 40), (20, 33), (100, 17), (0, 2)]
+    b = random_batch(hq, hkv, head_dim, block_size, shapes, torch.bfloat16, seed=block_size + hq)
+    store(torch_ops, b)
+    assert rel_err(attend(built, b), oracle(b)) < 1e-2
+
+
 @pytest.mark.parametrize("hq, hkv, head_dim", [(9, 3, 64), (8, 8, 16), (8, 2, 128), (4, 1, 32), (10, 2, 80)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_prefill_reads_the_blocks_in_place(built, hq, hkv, head_dim, dtype):
@@ -171,6 +185,13 @@ def test_rms_norm_and_rotary_round_as_torch_does(built, dtype):
     torch.testing.assert_close(built.rms_norm(heads, norm.weight[:64], 1e-5),
                                RMSNorm(64, 1e-5).to(dtype).requires_grad_(False).eval()(heads) * norm.weight[:64],
                                atol=tol, rtol=tol)
+    # A sublayer's output added to the residual stream and normed in one pass: the stream is torch's sum exactly.
+    out = (torch.randn(37, 576, generator=gen) * 3).to(dtype)
+    stream = x.clone()
+    want_normed, want_stream = norm.add_and_norm(out, x)
+    got = built.add_rms_norm(out, stream, norm.weight, norm.eps)
+    assert torch.equal(stream, want_stream)
+    torch.testing.assert_close(got, want_normed, atol=tol, rtol=tol)
 
     qkv = torch.randn(37, 15 * 64, generator=gen).to(dtype)
     q = qkv[:, : 9 * 64].view(37, 9, 64)  # a strided view, as the model rotates it

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,6 +24,14 @@ class AttnContext:
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     ops: object  # a kernels backend module: store_kv, paged_attention
+    # What a backend derives from this step's tensors once, for every layer (a backend with PLANNED set takes it).
+    plan: dict = field(default_factory=dict)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """The backend's paged_attention over this step's batch."""
+        planned = {"plan": self.plan} if getattr(self.ops, "PLANNED", False) else {}
+        return self.ops.paged_attention(q, k_cache, v_cache, self.query_start_loc, self.seq_lens, self.block_table,
+                                        scale, **planned)
 
 
 def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -71,6 +79,14 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this norm of residual + x, residual + x): a sublayer's output added to the residual stream, which the
+        fast path updates in place."""
+        if self.fast is not None:
+            return self.fast.add_rms_norm(x, residual, self.weight, self.eps), residual
+        residual = residual + x
+        return self(residual), residual
+
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding in the rotate-half layout; x [T, H, D], cos/sin [T, 1, D]."""
@@ -111,9 +127,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q), rotary(k)
         ctx.ops.store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
-        o = ctx.ops.paged_attention(
-            q, self.k_cache, self.v_cache, ctx.query_start_loc, ctx.seq_lens, ctx.block_table, self.scale
-        )
+        o = ctx.attend(q, self.k_cache, self.v_cache, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -142,9 +156,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, h: torch.Tensor, rotary: Rotary, ctx: AttnContext) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rotary, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rotary: Rotary, ctx: AttnContext
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: the previous layer's output, not yet in the residual stream (the embeddings, with residual None, before
+        the first layer) -> this layer's, and the stream. Each add is fused with the norm after it."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm.add_and_norm(h, residual)
+        x, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(x, rotary, ctx), residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -193,9 +214,10 @@ class LlamaForCausalLM(nn.Module):
 
             def rotary(x: torch.Tensor) -> torch.Tensor:
                 return rotate(x, cos, sin)
+        residual = None
         for layer in self.model.layers:
-            h = layer(h, rotary, ctx)
-        return self.model.norm(h)
+            h, residual = layer(h, residual, rotary, ctx)
+        return self.model.norm(h) if residual is None else self.model.norm.add_and_norm(h, residual)[0]
 
     def use_fast_layers(self, fast) -> None:
         """RMSNorm, rotary and SiLU-and-multiply from `fast` (kernels.cpu_ops: one C++ pass each, the same roundings)
