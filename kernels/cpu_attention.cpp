@@ -49,7 +49,8 @@ inline void prefetch_block(const T* head, int64_t left, const Shape& s) {
   const int64_t token_stride = s.kv_heads * s.head_dim, row_bytes = s.head_dim * static_cast<int64_t>(sizeof(T));
   const char* next = reinterpret_cast<const char*>(head);
   for (int64_t o = 0; o < std::min(s.block_size, left); ++o)
-    for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(next + o * token_stride * sizeof(T) + c, 0, kLocality);
+    for (int64_t c = 0; c < row_bytes; c += 64)
+      __builtin_prefetch(next + o * token_stride * sizeof(T) + c, 0, kLocality);
 }
 
 // Calls f(t, row) for the rows of tokens [0, len) of one head, block by block: no division per token.
@@ -244,8 +245,8 @@ inline __mmask16 first_lanes(int64_t n) { return static_cast<__mmask16>((1u << s
 
 // Raw scores q . k of the group's heads against keys [0, len) into w.p, and each head's lane-wise maximum.
 template <int64_t D>
-void amx_scores(const at::BFloat16* q_row, const at::BFloat16* k_head, const at::BFloat16* v_head, const int32_t* table, int64_t len,
-                const Shape& s, int64_t group, AmxWork& w, __m512* top) {
+void amx_scores(const at::BFloat16* q_row, const at::BFloat16* k_head, const at::BFloat16* v_head,
+                const int32_t* table, int64_t len, const Shape& s, int64_t group, AmxWork& w, __m512* top) {
   constexpr int64_t kChunks = D / 32;
   const auto* q_words = reinterpret_cast<const uint32_t*>(q_row);
   std::memset(w.qt, 0, sizeof(w.qt[0]) * kChunks);
@@ -265,7 +266,8 @@ void amx_scores(const at::BFloat16* q_row, const at::BFloat16* k_head, const at:
   for (int64_t t = 0, b = 0; t < len; ++b) {
     const at::BFloat16* block = keys_of(b);
     const int64_t end = std::min(len, t + s.block_size);
-    if (b + kBlocksAhead < blocks) prefetch_block(keys_of(b + kBlocksAhead), len - (b + kBlocksAhead) * s.block_size, s);
+    const int64_t ahead = b + kBlocksAhead;
+    if (ahead < blocks) prefetch_block(keys_of(ahead), len - ahead * s.block_size, s);
     prefetch_block<at::BFloat16, kIntoL2>(v_head + static_cast<int64_t>(table[b]) * block_stride, len - t, s);
     for (int64_t t0 = t; t0 < end; t0 += kKeysAtOnce) {
       // Rows past `end` are still this block's (unused lanes below).
@@ -321,7 +323,8 @@ void amx_values(const at::BFloat16* v_head, const int32_t* table, int64_t len, c
     const bool wide = D - d0 >= kDimsAtOnce;  // else the last 32
     const auto row_of = [&](int64_t t) -> const at::BFloat16* {
       if (t >= len) return nullptr;
-      return v_head + static_cast<int64_t>(table[t / s.block_size]) * block_stride + t % s.block_size * token_stride + d0;
+      const int64_t block = table[t / s.block_size];
+      return v_head + block * block_stride + t % s.block_size * token_stride + d0;
     };
     pagedq::zero_sums();
     for (int64_t t0 = 0; t0 < len; t0 += kTokensAtOnce) {
