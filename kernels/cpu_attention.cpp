@@ -218,17 +218,16 @@ inline int64_t padded_group(int64_t group) { return group; }
 #endif
 
 #if defined(PAGEDQ_AMX)
-// The AMX path, bfloat16, for head sizes a multiple of 32 in blocks a multiple of 16 tokens, and up to 16 query
-// heads per KV head. Scores: 16 keys' rows are an A tile as they sit in the block (no transpose), the queries'
-// transpose the B tile, so a C tile holds 16 keys by the heads. Values: 32 tokens' rows are interleaved in pairs
-// into B tiles (their columns are dimensions in the order the interleave leaves them), the softmax weights in
-// bfloat16 the A tile, and the C tiles sum over the whole sequence in float32. Tiles of every thread are 16 rows
-// of 64 bytes; the scores use tiles 0-2, the values 0-1 (B), 3 (A) and 4-7 (C).
+// The AMX path (where pagedq::amx_fits). Scores: 16 keys' rows are an A tile as they sit in the block (no transpose),
+// the queries' transpose the B tile, so a C tile holds 16 keys by the heads. Values: 32 tokens' rows are interleaved in
+// pairs into B tiles (their columns are dimensions in the order the interleave leaves them), the softmax weights in
+// bfloat16 the A tile, and the C tiles sum over the whole sequence in float32. Tiles of every thread are 16 rows of 64
+// bytes; the scores use tiles 0-2, the values 0-1 (B), 3 (A) and 4-7 (C).
 constexpr int64_t kTileRows = 16, kPairsPerRow = 16, kKeysAtOnce = 16, kTokensAtOnce = 32, kDimsAtOnce = 64;
 constexpr int64_t kBlocksAhead = 2;
 constexpr int kIntoL2 = 2;  // __builtin_prefetch's locality: prefetcht1
 
-inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+using pagedq::round_up;
 
 struct AmxWork {
   alignas(64) uint32_t qt[8][kTileRows][kPairsPerRow];  // B tiles: row r of tile c, dims 32c + 2r and + 1, by head
@@ -334,9 +333,7 @@ void amx_values(const at::BFloat16* v_head, const int32_t* table, int64_t len, c
       w.values.weigh(wide);
     }
     pagedq::store_sums(&w.sums[0][0], kDimsAtOnce);
-    for (int64_t g = 0; g < group; ++g)
-      for (int64_t j = 0; j < (wide ? kDimsAtOnce : kDimsAtOnce / 2); ++j)
-        o_row[g * D + d0 + pagedq::packed_dim(j / 16, j % 16)] = static_cast<at::BFloat16>(w.sums[g][j] * inv[g]);
+    for (int64_t g = 0; g < group; ++g) pagedq::store_row(w.sums[g], inv[g], wide, o_row + g * D + d0);
   }
 }
 
@@ -439,8 +436,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     }
   };
 #if defined(PAGEDQ_AMX)
-  const bool amx = std::is_same_v<T, at::BFloat16> && s.head_dim % 32 == 0 && s.block_size % kKeysAtOnce == 0 &&
-                   group <= kPairsPerRow && pagedq::amx_ready();
+  const bool amx = pagedq::amx_fits(std::is_same_v<T, at::BFloat16>, s.head_dim, s.block_size, group);
   const int64_t max_len = n ? *std::max_element(costs.begin(), costs.end()) : 0;
 #endif
   at::parallel_for(0, static_cast<int64_t>(bins.size()), 1, [&](int64_t begin, int64_t end) {

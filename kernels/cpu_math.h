@@ -22,6 +22,8 @@ namespace pagedq {
 // other sizes go to the torch ops.
 constexpr int64_t kHeadSizes[] = {16, 32, 64, 80, 96, 128, 256};
 
+inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+
 // Work items (by index) in `bins` lists of about equal cost, one per thread: costliest first, each to the least
 // loaded bin. at::parallel_for cuts a range into equal runs of items, which leaves a thread waiting on the other
 // when their items differ in cost (sequences of 20 and of 700 tokens).
@@ -133,6 +135,13 @@ inline bool amx_ready() {
   return ready;
 }
 
+// Whether attention runs on AMX tiles (the decode and prefill kernels' AMX paths): bfloat16, head sizes a multiple
+// of 32 (the A tiles' 32 dims), blocks a multiple of 16 tokens (a tile's 16 key rows in one block), up to 16 query
+// heads per KV head (the B tiles' 16 columns), and the tile state granted.
+inline bool amx_fits(bool bf16, int64_t head_dim, int64_t block_size, int64_t group) {
+  return bf16 && head_dim % 32 == 0 && block_size % 16 == 0 && group <= 16 && amx_ready();
+}
+
 // The tiles of the calling thread while it lives: all eight 16 rows of 64 bytes.
 struct Tiles {
   struct alignas(64) Config {
@@ -151,8 +160,9 @@ struct Tiles {
 };
 
 // Values of 32 tokens as B tiles, for weights (an A tile of 32 tokens) times values: row r of a tile pairs tokens 2r
-// and 2r + 1, 16-bit interleaved. A tile holds 16 dimensions of a 64-dimension slice (or of the last 32): column n
-// of tile j is dimension packed_dim(j, n), as the interleave, which works within 128-bit lanes, leaves them.
+// and 2r + 1, 16-bit interleaved. A tile holds 16 dimensions of a 64-dimension slice (or of the last 32), in the
+// order the interleave, which works within 128-bit lanes, leaves them: tiles 2x and 2x + 1 take turns, 4 dims each,
+// over dims [32x, 32x + 32). store_row puts them back.
 struct ValueTiles {
   alignas(64) uint32_t tile[4][16][16];
 
@@ -189,9 +199,7 @@ struct ValueTiles {
   }
 };
 
-inline int64_t packed_dim(int64_t j, int64_t n) { return 32 * (j / 2) + 8 * (n / 4) + 4 * (j % 2) + n % 4; }
-
-// C tiles 4-7 zeroed; stored as the columns [0, 64) of 16 rows `stride` floats apart.
+// C tiles 4-7 zeroed, for a new sum.
 inline void zero_sums() {
   _tile_zero(4);
   _tile_zero(5);
@@ -199,12 +207,28 @@ inline void zero_sums() {
   _tile_zero(7);
 }
 
+// C tiles 4-7 stored as the columns [0, 64) of 16 rows `stride` floats apart.
 inline void store_sums(float* out, int64_t stride) {
   const int64_t bytes = stride * static_cast<int64_t>(sizeof(float));
   _tile_stored(4, out, bytes);
   _tile_stored(5, out + 16, bytes);
   _tile_stored(6, out + 32, bytes);
   _tile_stored(7, out + 48, bytes);
+}
+
+// One row of stored sums (ValueTiles' column order) times `scale`, in dimension order as bfloat16: 64 dims, or 32
+// where not wide.
+inline void store_row(const float* sums, float scale, bool wide, c10::BFloat16* out) {
+  const __m512i low = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i high = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512 f = _mm512_set1_ps(scale);
+  for (int64_t x = 0; x < (wide ? 2 : 1); ++x) {
+    const __m512 a = _mm512_loadu_ps(sums + 32 * x), b = _mm512_loadu_ps(sums + 32 * x + 16);
+    const __m512 lo = _mm512_mul_ps(_mm512_permutex2var_ps(a, low, b), f);
+    const __m512 hi = _mm512_mul_ps(_mm512_permutex2var_ps(a, high, b), f);
+    const __m512bh both = _mm512_cvtne2ps_pbh(hi, lo);
+    std::memcpy(out + 32 * x, &both, sizeof both);
+  }
 }
 #endif
 

@@ -235,13 +235,12 @@ void attend_item(const Args<T>& a, const Item& it, VecScratch<D>& w) {
 
 
 #if defined(PAGEDQ_AMX)
-// The AMX path, bfloat16, for head sizes a multiple of 32, blocks a multiple of 16 tokens and up to 16 query heads
-// per KV head. An item is 16 rows (whole tokens' query heads; padding rows past them), in three passes, as the decode
-// kernel: scores of every key the item sees, as C tiles of 16 keys by the rows, from the keys' rows as they sit in
-// the block (A tiles) and the queries transposed (B tiles); the exact softmax, lane-wise (rows in lanes), its
-// weights transposed in registers into A tiles of 16 rows by 32 keys in bfloat16; then weights times the values,
-// packed into B tiles, summed in the C tiles over all keys, a 64-dim slice at a time, with nothing to rescale.
-// Tiles: all eight for the scores, then values 0-1 (B), 3 (A), 4-7 (C), as in the decode kernel.
+// The AMX path (where pagedq::amx_fits). An item is 16 rows (whole tokens' query heads; padding rows past them), in
+// three passes, as the decode kernel: scores of every key the item sees, as C tiles of 16 keys by the rows, from the
+// keys' rows as they sit in the block (A tiles) and the queries transposed (B tiles); the exact softmax, lane-wise
+// (rows in lanes), its weights transposed in registers into A tiles of 16 rows by 32 keys in bfloat16; then weights
+// times the values, packed into B tiles, summed in the C tiles over all keys, a 64-dim slice at a time, with nothing to
+// rescale. Tiles: all eight for the scores, then values 0-1 (B), 3 (A), 4-7 (C), as in the decode kernel.
 constexpr int64_t kAmxRows = 16, kAmxKeys = 32, kAmxDims = 64;
 
 template <int64_t D>
@@ -267,7 +266,7 @@ template <int64_t D>
 __m512 amx_scores(const Args<at::BFloat16>& a, const int32_t* table, int64_t head, int64_t keys, __m512 pos,
                   AmxScratch<D>& w) {
   const int64_t row_bytes = a.kv_heads * D * static_cast<int64_t>(sizeof(at::BFloat16));
-  const int64_t padded = (keys + kAmxKeys - 1) / kAmxKeys * kAmxKeys;
+  const int64_t padded = pagedq::round_up(keys, kAmxKeys);
   w.s.resize(padded * kAmxRows);
   // Two chunks of 16 keys at once, in tiles 0, 1, 6 and 4, 5, 7, so that one's multiply-adds run while the other's
   // wait; the queries' B tiles (2, 3) stay loaded where there are at most two.
@@ -343,9 +342,6 @@ void amx_values(const Args<at::BFloat16>& a, const Rows<at::BFloat16>& rows, con
                 int64_t keys, __m512 inv, AmxScratch<D>& w) {
   alignas(64) float inv_rows[kAmxRows];
   _mm512_store_ps(inv_rows, inv);
-  // Columns of two value tiles back in dimension order: 4 of one, 4 of the other, in turn.
-  const __m512i low = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i high = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int64_t d0 = 0; d0 < D; d0 += kAmxDims) {
     const bool wide = D - d0 >= kAmxDims;
     const auto row_of = [&](int64_t t) -> const at::BFloat16* {
@@ -359,16 +355,7 @@ void amx_values(const Args<at::BFloat16>& a, const Rows<at::BFloat16>& rows, con
       w.values.weigh(wide);
     }
     pagedq::store_sums(&w.sums[0][0], kAmxDims);
-    for (int64_t r = 0; r < rows.rows; ++r) {
-      const __m512 f = _mm512_set1_ps(inv_rows[r]);
-      for (int64_t x = 0; x < (wide ? 2 : 1); ++x) {  // tiles 2x and 2x + 1 hold dims [32x, 32x + 32)
-        const __m512 a0 = _mm512_load_ps(&w.sums[r][32 * x]), a1 = _mm512_load_ps(&w.sums[r][32 * x + 16]);
-        const __m512 lo = _mm512_mul_ps(_mm512_permutex2var_ps(a0, low, a1), f);
-        const __m512 hi = _mm512_mul_ps(_mm512_permutex2var_ps(a0, high, a1), f);
-        const __m512bh both = _mm512_cvtne2ps_pbh(hi, lo);
-        std::memcpy(a.out + rows.at(r, d0 + 32 * x, D), &both, sizeof both);
-      }
-    }
+    for (int64_t r = 0; r < rows.rows; ++r) pagedq::store_row(w.sums[r], inv_rows[r], wide, a.out + rows.at(r, d0, D));
   }
 }
 
@@ -417,11 +404,10 @@ void attend_any(const Args<T>& a, const std::vector<Item>* bins, int64_t begin, 
   }
 }
 
-// The rows of an item where this call runs on AMX tiles (the AMX path's conditions above), else 0.
+// The rows of an item where this call runs on AMX tiles (pagedq::amx_fits), else 0.
 int64_t amx_rows(at::ScalarType dtype, int64_t head_dim, int64_t block_size, int64_t group) {
 #if defined(PAGEDQ_AMX)
-  const bool fits = dtype == at::kBFloat16 && head_dim % 32 == 0 && block_size % 16 == 0 && group <= kAmxRows;
-  return fits && pagedq::amx_ready() ? kAmxRows : 0;
+  return pagedq::amx_fits(dtype == at::kBFloat16, head_dim, block_size, group) ? kAmxRows : 0;
 #else
   return 0;
 #endif
