@@ -72,7 +72,7 @@ class ModelRunner:
         if getattr(self.ops, "FAST_LAYERS", False):
             self.model.use_fast_layers(self.ops)
         if self.device.type == "cpu" and config.prepack_weights:
-            log.info("prepacked %d linear layers", pack_linears(self.model, config.max_num_seqs))
+            log.info("prepacked %d linear layers", pack_linears(self.model, config.max_num_seqs, self.ops))
         self.num_blocks = self._size_cache()
         self.max_model_len = min(self.max_model_len, self.num_blocks * config.block_size)
         self._allocate_cache()

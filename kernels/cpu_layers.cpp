@@ -11,7 +11,6 @@
 #include "cpu_math.h"
 
 #include <cmath>
-#include <limits>
 
 namespace {
 
@@ -113,17 +112,6 @@ void rotary(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos, co
 }
 
 #if defined(__AVX512F__)
-constexpr float kExpOverflow = 88.72283905f;  // exp of more is inf in float32
-
-// float32 to bfloat16, rounded to nearest even as c10::BFloat16 rounds (a NaN stays a NaN).
-inline __m256i round_bf16(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-  rounded = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), rounded, _mm512_set1_epi32(0x7fc00000));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
-
 // out = silu(gate) * up for x = [gate | up] rows, bfloat16: one pass where torch makes two (silu into a new
 // tensor, then the product), rounding where torch rounds (the SiLU, then the product).
 void silu_and_mul(const at::Tensor& x, at::Tensor out) {
@@ -139,16 +127,9 @@ void silu_and_mul(const at::Tensor& x, at::Tensor out) {
     for (int64_t r = begin; r < end; ++r) {
       const at::BFloat16 *gate = xp + r * x.stride(0), *up = gate + inter;
       at::BFloat16* o = op + r * out.stride(0);
-      for (int64_t i = 0; i < inter; i += 16) {
-        const __m512 g = pagedq::load16(gate + i);
-        const __m512 minus = _mm512_sub_ps(_mm512_setzero_ps(), g);
-        __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), pagedq::exp16(minus)));
-        // Where exp(-g) overflows float32, torch divides by inf: -0, or NaN for g = -inf (exp16 clamps instead).
-        const __mmask16 overflow = _mm512_cmp_ps_mask(minus, _mm512_set1_ps(kExpOverflow), _CMP_GT_OQ);
-        silu = _mm512_mask_div_ps(silu, overflow, g, _mm512_set1_ps(std::numeric_limits<float>::infinity()));
-        const __m512 rounded = pagedq::widen_bf16(round_bf16(silu));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), round_bf16(_mm512_mul_ps(rounded, pagedq::load16(up + i))));
-      }
+      for (int64_t i = 0; i < inter; i += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i),
+                            pagedq::silu_mul16(pagedq::load16(gate + i), pagedq::load16(up + i)));
     }
   });
 }

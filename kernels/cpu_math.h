@@ -1,11 +1,12 @@
-// What the CPU kernels share (cpu_attention.cpp, cpu_prefill.cpp, cpu_layers.cpp): head sizes, work balance and
-// float helpers.
+// What the CPU kernels share (cpu_attention.cpp, cpu_prefill.cpp, cpu_layers.cpp, cpu_linear.cpp): head sizes, work
+// balance, float helpers and AMX tiles.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <type_traits>
 #include <vector>
@@ -121,6 +122,28 @@ inline __m512 exp16(__m512 x) {
                         6.931472028550421e-1f, 1.f})
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
   return _mm512_scalef_ps(p, n);
+}
+
+constexpr float kExpOverflow = 88.72283905f;  // exp of more is inf in float32
+
+// float32 to bfloat16, rounded to nearest even as c10::BFloat16 rounds (a NaN stays a NaN).
+inline __m256i round_bf16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  rounded = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), rounded, _mm512_set1_epi32(0x7fc00000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+// silu(gate) * up as bfloat16, for gate and up that are bfloat16 values: rounded where torch rounds (the SiLU, then
+// the product).
+inline __m256i silu_mul16(__m512 gate, __m512 up) {
+  const __m512 minus = _mm512_sub_ps(_mm512_setzero_ps(), gate);
+  __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(minus)));
+  // Where exp(-gate) overflows float32, torch divides by inf: -0, or NaN for gate = -inf (exp16 clamps instead).
+  const __mmask16 overflow = _mm512_cmp_ps_mask(minus, _mm512_set1_ps(kExpOverflow), _CMP_GT_OQ);
+  silu = _mm512_mask_div_ps(silu, overflow, gate, _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+  return round_bf16(_mm512_mul_ps(widen_bf16(round_bf16(silu)), up));
 }
 #endif
 

@@ -1,7 +1,8 @@
 """The CPU path in C++: decode and prefill attention that read the KV blocks in place (kernels/cpu_attention.cpp,
 kernels/cpu_prefill.cpp, which needs AVX-512), where the torch path gathers each sequence's blocks into a copy and
 attends over it; RMSNorm, rotary and (bfloat16) SiLU-and-multiply as one pass each (kernels/cpu_layers.cpp); keys
-and values stored with a copy per token.
+and values stored with a copy per token; bfloat16 linear layers on AMX tiles (kernels/cpu_linear.cpp, used by
+engine.packed_linear).
 
 The kernels are compiled on first use with the machine's C++ compiler for the CPU they run on, once per source,
 CPU, compiler flags and torch version (a folder under the cache), and loaded as torch.ops.pagedq.*.
@@ -29,7 +30,8 @@ GRAPH_SAFE = False
 PLANNED = True  # paged_attention takes a step's plan dict (engine.models.llama.AttnContext.plan)
 FAST_LAYERS = True  # rms_norm, add_rms_norm, rotary and silu_and_mul below: the model uses them (LlamaForCausalLM.use_fast_layers)
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_layers.cpp", "cpu_sampling.cpp")]
+           for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_layers.cpp", "cpu_sampling.cpp",
+                         "cpu_linear.cpp")]
 HEADERS = [Path(__file__).with_name("cpu_math.h")]
 # -march=native: the build is for this CPU (its flags are in the build key). Reassociating float sums lets the
 # compiler vectorize the dot products; every sum is still accumulated in float32.
@@ -220,6 +222,30 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _silu_and_mul_built() -> bool:
     return bool(torch.ops.pagedq.silu_and_mul_built())
+
+
+# bfloat16 linear layers on AMX tiles (kernels/cpu_linear.cpp), for engine.packed_linear.
+
+
+@functools.cache
+def tile_linear_ready() -> bool:
+    """Whether this CPU and process multiply on AMX tiles (the kernel is built for it and Linux granted them)."""
+    return bool(torch.ops.pagedq.tile_linear_ready())
+
+
+def tile_linear_pack(weight: torch.Tensor, gated: bool) -> torch.Tensor:
+    """A bfloat16 [N, K] weight (K a multiple of 32) in the tiles' layout. gated: [gate; up] rows of an MLP (N/2 a
+    multiple of 16), packed so that tile_linear returns silu(gate) * up."""
+    return torch.ops.pagedq.tile_linear_pack(weight.detach(), weight.shape[0] // 2 if gated else 0)
+
+
+def tile_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, gated: bool) -> torch.Tensor:
+    """x [..., K] @ weight.T (+ a float32 bias), or silu(gate) * up when gated: [..., N] or [..., N/2]."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.ops.pagedq.tile_linear(rows, packed, bias, n, gated)
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 _ARGMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

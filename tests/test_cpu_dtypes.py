@@ -2,10 +2,12 @@
 
 import pytest
 import torch
+from torch import nn
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine import config as engine_config
-from engine.packed_linear import PackedLinear
+from engine.loader import cache_root
+from engine.packed_linear import PackedLinear, TileLinear, pack_linears
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of",
            "The first president of the United States was"]
@@ -45,9 +47,43 @@ def test_prepacked_bfloat16_gives_the_same_tokens(tiny_model, arch):
     plain = LLMEngine(EngineConfig(model=path, dtype="bfloat16", num_kv_blocks=64, prepack_weights=False))
     if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         pytest.skip("this torch build has no oneDNN prepacked linear")
-    assert any(isinstance(m, PackedLinear) for m in packed.runner.model.modules())
-    assert not any(isinstance(m, PackedLinear) for m in plain.runner.model.modules())
+    kinds = {type(m) for m in packed.runner.model.modules()}
+    tiles = getattr(packed.runner.ops, "tile_linear_ready", lambda: False)()
+    assert (TileLinear in kinds) == tiles and (PackedLinear in kinds) != tiles  # AMX: every layer fits the tiles
+    assert not {PackedLinear, TileLinear} & {type(m) for m in plain.runner.model.modules()}
+    if tiles:
+        assert all(layer.mlp.gate_up_proj.activates for layer in packed.runner.model.model.layers)
     assert _greedy(packed) == _greedy(plain)
+
+
+def test_layers_the_tiles_do_not_fit_go_to_onednn():
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        pytest.skip("this torch build has no oneDNN prepacked linear")
+    from kernels import cpu_ops
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        m = nn.ModuleDict({"wide": nn.Linear(64, 96), "odd": nn.Linear(40, 64, bias=False),
+                           "gate_up_proj": nn.Linear(64, 2 * 24, bias=False)})  # 24: halves not a multiple of 16
+        return m.to(torch.bfloat16)
+
+    class NoTiles:
+        @staticmethod
+        def tile_linear_ready() -> bool:
+            return False
+
+    without = model()
+    assert pack_linears(without, 8, NoTiles()) == 3
+    assert all(type(m) is PackedLinear for m in without.values())
+    if cpu_ops.load(cache_root() / "kernels") is not None or not cpu_ops.tile_linear_ready():
+        pytest.skip("no AMX tiles here")
+    mixed = model()
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    want = model()["wide"](x)
+    assert pack_linears(mixed, 8, cpu_ops) == 3
+    assert [type(m) for m in mixed.values()] == [TileLinear, PackedLinear, TileLinear]
+    assert not mixed["gate_up_proj"].activates  # the MLP applies SiLU-and-multiply itself
+    torch.testing.assert_close(mixed["wide"](x), want, rtol=2**-7, atol=1e-3)
 
 
 def test_float32_is_never_prepacked(tiny_model):

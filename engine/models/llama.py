@@ -144,6 +144,8 @@ class MLP(nn.Module):
         self.fast = None  # see LlamaForCausalLM.use_fast_layers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self.gate_up_proj, "activates", False):  # packed with SiLU-and-multiply fused in
+            return self.down_proj(self.gate_up_proj(x))
         act = (self.fast or torch_ops).silu_and_mul(self.gate_up_proj(x))
         return self.down_proj(act)
 
