@@ -37,7 +37,8 @@ class EngineConfig:
     # CPU: bytes of KV cache when num_kv_blocks is None. None: a quarter of free memory, at most 2 GiB.
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.85
-    # CPU, bfloat16: linear weights reordered once at load into oneDNN's layout; same numbers, faster.
+    # CPU, bfloat16: linear weights reordered once at load, for AMX tiles (engine.packed_linear.TileLinear) or else
+    # oneDNN; faster.
     prepack_weights: bool = True
     # Schedule and launch step N+1 while step N is still on the device (N's tokens fed to it there), so that all
     # host work of a step runs during a forward (LLMEngine.step). None: on for CUDA, where a forward runs
