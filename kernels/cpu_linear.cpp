@@ -62,8 +62,7 @@ struct Gemm {
   const float* bias;  // per output column, or null
   int64_t width;      // out's columns: N, or inter when gated
   bool gated;
-  at::BFloat16* out;
-  int64_t ldo;
+  at::BFloat16* out;  // rows `width` apart
   const at::BFloat16* tail;  // the last rows % 16 rows, padded with zero rows to a whole tile
 
   int64_t steps() const { return k / kStep; }
@@ -111,7 +110,7 @@ struct Gemm {
       _tile_stored(3, &sums[16][16], sizeof sums[0]);
     }
     for (int64_t r = 0; r < count; ++r) {
-      at::BFloat16* o = out + (first + r) * ldo;
+      at::BFloat16* o = out + (first + r) * width;
       if (gated) {  // the projection rounded to bfloat16, as F.linear's output would be, then activated
         const __m512 gate = pagedq::widen_bf16(pagedq::round_bf16(_mm512_loadu_ps(sums[r])));
         const __m512 up = pagedq::widen_bf16(pagedq::round_bf16(_mm512_loadu_ps(sums[r] + 16)));
@@ -173,8 +172,7 @@ at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, const std:
   for (int64_t r = whole; r < rows; ++r)
     std::memcpy(tail.data() + (r - whole) * k, x.data_ptr<at::BFloat16>() + r * x.stride(0), k * sizeof(at::BFloat16));
   const Gemm gemm{x.data_ptr<at::BFloat16>(), x.stride(0), rows, k, packed.data_ptr<at::BFloat16>(),
-                  bias ? bias->data_ptr<float>() : nullptr, width, gated, out.data_ptr<at::BFloat16>(), width,
-                  tail.data()};
+                  bias ? bias->data_ptr<float>() : nullptr, width, gated, out.data_ptr<at::BFloat16>(), tail.data()};
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) { gemm.run(begin, end); });
   return out;
 }

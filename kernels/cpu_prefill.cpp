@@ -233,7 +233,6 @@ void attend_item(const Args<T>& a, const Item& it, VecScratch<D>& w) {
     for (int64_t d = 0; d < D; ++d) a.out[rows.at(r, d, D)] = static_cast<T>(w.ot[d][r] / w.l[r]);
 }
 
-
 #if defined(PAGEDQ_AMX)
 // The AMX path (where pagedq::amx_fits). An item is 16 rows (whole tokens' query heads; padding rows past them), in
 // three passes, as the decode kernel: scores of every key the item sees, as C tiles of 16 keys by the rows, from the
