@@ -6,7 +6,9 @@ import signal
 
 import click
 
-WORKLOADS = ("chat", "mixed", "online", "shared-prefix", "overhead")
+from bench.workloads import NAMES
+
+WORKLOADS = (*NAMES, "overhead")
 SYSTEMS = ("pagedq", "pagedq-redis", "hf-generate", "hf-static", "hf-cb", "pagedq-serve", "vllm")
 DEFAULT_SYSTEMS = SYSTEMS[:-1]  # vLLM when asked for: it needs an environment of its own
 

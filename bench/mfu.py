@@ -30,6 +30,35 @@ def matmul_peak(device: str, dtype: torch.dtype, size: int | None = None, second
     return {"flops_per_s": 2 * n**3 / best, "size": n, "dtype": str(dtype).removeprefix("torch."), "reps": reps}
 
 
+def memory_bandwidth(device: str, nbytes: int = 512 << 20, seconds: float = 1.0) -> dict:
+    """Best bytes per second this device streams: copying a buffer far larger than any cache (bytes copied, each read
+    and written once) and reading one (a sum). A decode step at batch 1 reads every weight once: the read figure
+    bounds it from below."""
+    gpu = device.startswith("cuda")
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+
+    def best(fn) -> float:
+        fn()
+        shortest, spent, reps = float("inf"), 0.0, 0
+        while spent < seconds or reps < 3:
+            t = time.perf_counter()
+            fn()
+            if gpu:
+                torch.cuda.synchronize(device)
+            dt = time.perf_counter() - t
+            shortest, spent, reps = min(shortest, dt), spent + dt, reps + 1
+        return nbytes / shortest
+
+    return {"copy_bytes_per_s": best(lambda: dst.copy_(src)), "read_bytes_per_s": best(src.sum), "bytes": nbytes}
+
+
+def weight_bytes(params: dict, dtype: torch.dtype) -> int:
+    """Bytes a decode step reads at batch 1: every matmul weight once (the lm_head too, tied or not), the input
+    embedding only a row per token."""
+    return (params["body"] + params["lm_head"]) * torch.empty((), dtype=dtype).element_size()
+
+
 def param_counts(model: torch.nn.Module) -> dict:
     """Parameters by role. The input embedding is a lookup, not a matmul; the lm_head is a matmul that only
     runs where a token is sampled, so the two are kept apart from the rest (the body)."""

@@ -38,6 +38,8 @@ LATENCY_TARGETS = [
     ("online: TTFT p50 via serve / via Redis", "online", SERVE, REDIS, "ttft_p50_s", 1.15),
     ("online: TPOT p50 via serve / via Redis", "online", SERVE, REDIS, "tpot_p50_s", 1.15),
 ]
+# One request alone: its TPOT over the time reading the weights once takes at the measured read bandwidth.
+SINGLE_STREAM_TARGET = ("single: TPOT / weight-read time", "single", ENGINE, 1.3)
 
 
 def run_bench(
@@ -119,6 +121,12 @@ def run_bench(
     data["params"] = params
     echo(f"  matmul peak: {peak['flops_per_s'] / 1e9:.1f} GFLOP/s ({peak['size']}^3, {peak['dtype']}); "
          f"model: {params['total'] / 1e6:.1f} M parameters")
+    if "single" in sets:
+        bandwidth = data["memory_bandwidth"] = mfu.memory_bandwidth(device)
+        data["weight_bytes"] = mfu.weight_bytes(params, getattr(torch, dtype))
+        echo(f"  memory: {bandwidth['read_bytes_per_s'] / 1e9:.1f} GB/s read, "
+             f"{bandwidth['copy_bytes_per_s'] / 1e9:.1f} GB/s copied; "
+             f"{data['weight_bytes'] / 1e6:.0f} MB of weights read a decode step")
 
     engine = hf = redis = serve = None
     redis_error = None
@@ -179,7 +187,7 @@ def run_bench(
         if redis is not None:
             redis.close()
 
-    data["ratios"] = ratios(data["results"], workloads)
+    data["ratios"] = ratios(data["results"], workloads, data)
     echo("")
     echo(report.table(data["results"], data["ratios"]))
     path = report.write_json(data, out)
@@ -332,8 +340,9 @@ def _line(r: dict) -> str:
     return f"{head}: {r['output_tokens_per_s']:.1f} out tok/s in {r['elapsed_s']:.1f} s, check {chk}"
 
 
-def ratios(results: list[dict], workloads: list[str]) -> list[dict]:
-    """Each target that the chosen workloads cover, measured from this run's results; pass / fail / n/a."""
+def ratios(results: list[dict], workloads: list[str], data: dict | None = None) -> list[dict]:
+    """Each target that the chosen workloads cover, measured from this run's results; pass / fail / n/a. data: the
+    run's bench.json so far (memory bandwidth and weight bytes, for the single-stream bound)."""
     found = {(r["workload"], r["system"]): r for r in results}
     out = []
     for name, w, sys_, base, target in TARGETS:
@@ -370,4 +379,22 @@ def ratios(results: list[dict], workloads: list[str]) -> list[dict]:
             q["value"] = a[field] / b[field]
             q["result"] = "pass" if q["value"] <= most and a["checked"] and b["checked"] else "fail"
         out.append(q)
+    if SINGLE_STREAM_TARGET[1] in workloads:
+        out.append(_single_stream(found, data or {}))
     return out
+
+
+def _single_stream(found: dict, data: dict) -> dict:
+    name, w, sys_, most = SINGLE_STREAM_TARGET
+    q = {"name": name, "workload": w, "system": sys_, "baseline": None, "target": most, "kind": "latency",
+         "value": None, "why": "", "result": "n/a"}
+    run = found.get((w, sys_))
+    bandwidth = data.get("memory_bandwidth", {}).get("read_bytes_per_s")
+    if run is None or run["status"] != "ok" or not run.get("tpot_p50_s") or not bandwidth:
+        q["why"] = f"{sys_} did not run" if run is None or run["status"] != "ok" else "no TPOT or bandwidth"
+        return q
+    bound = data["weight_bytes"] / bandwidth
+    q["value"] = run["tpot_p50_s"] / bound
+    q["bound_s"] = bound
+    q["result"] = "pass" if q["value"] <= most and run["checked"] else "fail"
+    return q

@@ -10,7 +10,7 @@ import random
 import re
 from dataclasses import dataclass, field
 
-NAMES = ("chat", "mixed", "online", "shared-prefix")
+NAMES = ("chat", "mixed", "online", "shared-prefix", "single")
 
 # Per workload: number of requests, prompt length range, output length range (tokens, inclusive), and for
 # shared-prefix the length of the common system prompt. `quick` is a smoke configuration, not a measurement.
@@ -19,12 +19,15 @@ FULL = {
     "mixed": {"n": 128, "prompt": (16, 512), "output": (16, 256)},
     "online": {"n": 64, "prompt": (50, 50), "output": (100, 100)},
     "shared-prefix": {"n": 64, "prompt": (20, 20), "output": (64, 64), "prefix": 400},
+    # One request alone: an interactive user at low load, where a step's fixed cost, not the batch, sets the pace.
+    "single": {"n": 1, "prompt": (64, 64), "output": (256, 256)},
 }
 QUICK = {
     "chat": {"n": 6, "prompt": (40, 40), "output": (12, 12)},
     "mixed": {"n": 6, "prompt": (16, 96), "output": (6, 24)},
     "online": {"n": 6, "prompt": (40, 40), "output": (12, 12)},
     "shared-prefix": {"n": 6, "prompt": (12, 12), "output": (8, 8), "prefix": 96},
+    "single": {"n": 1, "prompt": (16, 16), "output": (12, 12)},
 }
 
 
@@ -76,7 +79,7 @@ def build(name: str, tokenizer, quick: bool = False, num_requests: int | None = 
     for i in range(spec["n"]):
         plen = rng.randint(*spec["prompt"])
         out = rng.randint(*spec["output"])
-        if name == "mixed" or not chat:
+        if name in ("mixed", "single") or not chat:
             prompt = _text(words, rng, plen, tokenizer)
         else:
             prompt = _chat(words, rng, plen, tokenizer, system)

@@ -12,15 +12,16 @@ import time
 import torch
 
 from engine.decode_buffers import DecodeBuffers
+from kernels import Backend
 
 log = logging.getLogger("pagedq.engine")
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, buffers: DecodeBuffers, ops: object) -> None:
+    def __init__(self, model: torch.nn.Module, buffers: DecodeBuffers, backend: Backend) -> None:
         self.model = model
         self.buffers = buffers
-        self.ops = ops
+        self.backend = backend
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -30,7 +31,7 @@ class DecodeGraphs:
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.buffers.sizes):
-            ids, positions, ctx = self.buffers.inputs(size, self.ops)
+            ids, positions, ctx = self.buffers.inputs(size, self.backend)
             # An eager run first: Triton compiles (and allocates its workspace) outside the capture.
             self.model(ids, positions, ctx)
             torch.cuda.synchronize()

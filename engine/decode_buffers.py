@@ -14,6 +14,7 @@ import torch
 
 from engine.models.llama import AttnContext
 from engine.step_inputs import StepInputs
+from kernels import Backend
 
 
 def padded_sizes(max_num_seqs: int) -> list[int]:
@@ -65,13 +66,13 @@ class DecodeBuffers:
         self.block_table[:n, :width].copy_(torch.from_numpy(inputs.block_table), non_blocking=True)
         return size
 
-    def inputs(self, size: int, ops: object) -> tuple[torch.Tensor, torch.Tensor, AttnContext]:
+    def inputs(self, size: int, backend: Backend) -> tuple[torch.Tensor, torch.Tensor, AttnContext]:
         """Views of the first `size` rows: the model's input ids, positions and attention context."""
         ctx = AttnContext(
             slot_mapping=self.slot_mapping[:size],
             query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size],
             block_table=self.block_table[:size],
-            ops=ops,
+            backend=backend,
         )
         return self.input_ids[:size], self.positions[:size], ctx

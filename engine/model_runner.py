@@ -14,12 +14,12 @@ from engine.config import EngineConfig
 from engine.decode_buffers import DecodeBuffers
 from engine.loader import cache_root
 from engine.models.llama import SUPPORTED_ARCHS, AttnContext, LlamaForCausalLM
-from engine.packed_linear import pack_linears
+from engine.packed_linear import PanelLinear, pack_linears
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import SchedulerOutput
 from engine.stats import StepTimes
 from engine.step_inputs import Feed, StepInputs
-from kernels import get_backend, torch_ops
+from kernels import build, get_backend
 
 log = logging.getLogger("pagedq.engine")
 
@@ -57,8 +57,8 @@ class ModelRunner:
         if config.max_model_len is not None and config.max_model_len > model_max:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit of {model_max} tokens")
         self.max_model_len = config.max_model_len or model_max
-        self.ops = get_backend(config.attention_backend, config.device, cache_root(config.cache_dir) / "kernels")
-        self.argmax = getattr(self.ops, "argmax", torch_ops.argmax)  # greedy tokens: a backend may have a kernel
+        self.backend = get_backend(config.attention_backend, config.device,
+                                   build.default_root(cache_root(config.cache_dir)))
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
@@ -69,13 +69,21 @@ class ModelRunner:
         self.model.cos = self.model.cos.float()
         self.model.sin = self.model.sin.float()
         self.model.eval()
-        if getattr(self.ops, "FAST_LAYERS", False):
-            self.model.use_fast_layers(self.ops)
+        if self.backend.layers is not None:
+            self.model.use_fast_layers(self.backend.layers)
         if self.device.type == "cpu" and config.prepack_weights:
-            log.info("prepacked %d linear layers", pack_linears(self.model, config.max_num_seqs, self.ops))
+            log.info("prepacked %d linear layers", pack_linears(self.model, config.max_num_seqs, self.backend))
+        log.info("kernels: %s", self.backend.describe())
+        # The step's logits, written into one buffer (rows of the first max_num_seqs) where the logits layer takes
+        # one: allocated afresh, a [rows, vocab] tensor of tens or hundreds of MB is mapped and unmapped every step.
+        self.logits_buffer = None
+        if isinstance(self.model.lm_head, PanelLinear):
+            self.logits_buffer = torch.empty(config.max_num_seqs, hf_config.vocab_size, dtype=self.dtype)
         self.num_blocks = self._size_cache()
         self.max_model_len = min(self.max_model_len, self.num_blocks * config.block_size)
         self._allocate_cache()
+        if self.device.type == "cpu" and self.model.use_decoder(self.backend):
+            log.info("the decoder stack runs as one C++ call a step")
         # Decode-only steps through padded static buffers, replayed as CUDA graphs (only with ops that never sync
         # with the host: the Triton ones).
         self.times = StepTimes()  # the engine shares its own
@@ -84,7 +92,7 @@ class ModelRunner:
         self._last_inputs: StepInputs | None = None
         self.decode_buffers: DecodeBuffers | None = None
         self.graphs = None
-        if self.device.type == "cuda" and not config.enforce_eager and getattr(self.ops, "GRAPH_SAFE", False):
+        if self.device.type == "cuda" and not config.enforce_eager and self.backend.graph_safe:
             self.use_padded_decode(capture=True)
 
     def use_padded_decode(self, capture: bool) -> None:
@@ -96,7 +104,7 @@ class ModelRunner:
         if capture:
             from engine.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.model, self.decode_buffers, self.ops)
+            self.graphs = DecodeGraphs(self.model, self.decode_buffers, self.backend)
             self.graphs.capture()
 
     def _size_cache(self) -> int:
@@ -142,7 +150,7 @@ class ModelRunner:
             return torch.from_numpy(x).to(dev, non_blocking=True)
 
         ctx = AttnContext(slot_mapping=t(inputs.slots), query_start_loc=t(inputs.query_start_loc),
-                          seq_lens=t(inputs.seq_lens), block_table=t(inputs.block_table), ops=self.ops)
+                          seq_lens=t(inputs.seq_lens), block_table=t(inputs.block_table), backend=self.backend)
         return t(inputs.input_ids), t(inputs.positions), ctx
 
     @torch.inference_mode()
@@ -169,18 +177,24 @@ class ModelRunner:
             input_ids[rows] = feed.tokens[torch.from_numpy(feed.sources).to(self.device)]
         self.times.lap("prepare")
         if padded:
-            hidden = self.graphs.replay(size) if self.graphs is not None else self.model(*buffers.inputs(size, self.ops))
+            hidden = self.graphs.replay(size) if self.graphs is not None else self.model(*buffers.inputs(size, self.backend))
         else:
             hidden = self.model(input_ids, positions, ctx)
         self.times.lap("forward")
         if not len(inputs.sample_rows):
             return torch.empty(0, dtype=torch.long, device=self.device), torch.empty(0)
         # Logits only where a token is sampled, never for the rest of a prompt.
-        logits = self.model.logits(hidden[torch.from_numpy(inputs.sample_rows).to(self.device)])
-        tokens, logprobs = sample(logits, sampling, self.argmax)
+        logits = self._logits(hidden[torch.from_numpy(inputs.sample_rows).to(self.device)])
+        tokens, logprobs = sample(logits, sampling, self.backend.argmax)
         del logits, hidden  # freed here, in the phase that made them (a batch's logits can be hundreds of MB)
         self.times.lap("sample")
         return tokens, logprobs
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        rows = hidden.shape[0]
+        if self.logits_buffer is None or rows > self.logits_buffer.shape[0]:
+            return self.model.logits(hidden)
+        return self.model.lm_head(hidden, out=self.logits_buffer[:rows])
 
     def _steady_after(self, batch: SchedulerOutput) -> StepInputs | None:
         """The previous step's inputs if this step decodes the same sequences, in the same order, right after

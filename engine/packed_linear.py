@@ -1,17 +1,17 @@
-"""bfloat16 CPU linear layers with their weights reordered once, at load: into AMX tiles' layout for our own kernel
-where the CPU has AMX (kernels/cpu_linear.cpp, TileLinear), else into oneDNN's (PackedLinear).
+"""CPU linear layers with their weights reordered once, at load: into panels for pagedq's own kernel where the CPU
+has a path for the dtype (kernels/cpu_linear.cpp: AMX tiles or AVX-512 BF16 dot products for bfloat16, AVX-512
+multiply-adds for float32; PanelLinear), else into oneDNN's layout (PackedLinear).
 
-TileLinear prefetches the next weights while it multiplies, which a decode step's few rows need (the weights stream
-from memory), and an MLP's gate-and-up projection returns silu(gate) * up itself (`activates`), so that wide
-projection is never written out. Its sums run in another order than F.linear's: bfloat16 results differ in the last
-bit now and then, as they do between any two matmul kernels.
+A decode step reads every weight once for a few rows, so the weights streaming from memory set its pace: the
+panels are read in order, each once per block of rows, and an MLP's gate-and-up projection returns silu(gate) * up
+itself in bfloat16 (`activates`), so that wide projection is never written out. The kernel sums in input order, in
+float32: results differ from F.linear's (MKL's or oneDNN's order) in the last bits now and then, as they do between
+any two matmul kernels. Measured on a 2-core EPYC (Zen 4, no AMX): float32 F.linear goes through MKL, which streams
+weights at half the rate of the panels at one row and is slower at every batch size (README, Benchmarks).
 
-A plain bfloat16 `F.linear` on a CPU with AMX or AVX-512 BF16 has oneDNN reorder the weight on every call: for a
-decode step, which reads each weight once, that doubles the memory traffic of the biggest part of the forward.
-Packed once, it goes through oneDNN's prepacked linear (an op torch.compile's CPU freezing uses), with results
-equal to `F.linear`'s; where the check fails the plain path stays. float32 is left alone: `F.linear` runs it
-through MKL, oneDNN's float32 sums in another order (so greedy parity with a float32 reference would go), and
-MKL's own packed linear pays off only at the exact batch size it was packed for.
+A plain bfloat16 `F.linear` on a CPU with AMX or AVX-512 BF16 has oneDNN reorder the weight on every call; packed
+once, it goes through oneDNN's prepacked linear (an op torch.compile's CPU freezing uses), with results equal to
+`F.linear`'s. That is the path where the panels do not fit (K not a multiple of 32) or have no path on this CPU.
 """
 
 from __future__ import annotations
@@ -35,49 +35,54 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-class TileLinear(nn.Module):
+class PanelLinear(nn.Module):
     def __init__(self, linear: nn.Linear, ops, gated: bool) -> None:
         super().__init__()
         self.ops = ops
-        self.packed = ops.tile_linear_pack(linear.weight, gated)
+        self.packed = ops.panel_pack(linear.weight, gated)
         self.bias = None if linear.bias is None else linear.bias.detach().float()
         self.out_features = linear.out_features
         self.activates = gated  # the output is silu(gate) * up of the [gate; up] projection (engine.models.llama.MLP)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.tile_linear(x, self.packed, self.bias, self.out_features, self.activates)
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """out: a contiguous [rows, N] buffer to write into (the logits of a step: reused, not allocated anew)."""
+        return self.ops.panel_linear(x, self.packed, self.bias, self.out_features, self.activates, out)
 
 
-def _pack(linear: nn.Linear, batch_hint: int) -> PackedLinear:
+def _onednn(linear: nn.Linear, batch_hint: int) -> PackedLinear:
     w = linear.weight.detach()
     layer = PackedLinear(linear, torch.ops.mkldnn._reorder_linear_weight(w, batch_hint))
     x = torch.randn(3, linear.in_features, dtype=w.dtype)
-    if not torch.equal(layer(x), F.linear(x, w, linear.bias)):
+    got, want = layer(x), F.linear(x, w, linear.bias)
+    # bfloat16: the same kernel as F.linear's, so the same numbers; float32: oneDNN against MKL, another order.
+    same = torch.equal(got, want) if w.dtype == torch.bfloat16 else torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+    if not same:
         raise ValueError("packed linear disagrees with F.linear")
     return layer
 
 
-def pack_linears(model: nn.Module, batch_hint: int, ops=None) -> int:
-    """Swap every bfloat16 nn.Linear of a CPU model for a TileLinear (where `ops`, kernels.cpu_ops, multiplies on
-    AMX tiles and the shape fits) or a PackedLinear -> how many were swapped. An MLP's `gate_up_proj` becomes one
-    that activates where its halves fit the tiles (and it has no bias). Where this torch build lacks oneDNN's ops
-    (or they disagree), the model is left as it was."""
+def pack_linears(model: nn.Module, batch_hint: int, backend=None) -> int:
+    """Swap every bfloat16 and float32 nn.Linear of a CPU model for a PanelLinear (where `backend`, a
+    kernels.Backend, has a panel path for its dtype and K is a multiple of 32) or a PackedLinear (oneDNN) -> how many
+    were swapped. A bfloat16 MLP's `gate_up_proj` becomes one that activates where its halves fit a panel (and it
+    has no bias). Where this torch build lacks oneDNN's ops (or they disagree), those layers are left as they were."""
+    paths = getattr(backend, "linear_paths", {}) or {}
+    names = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16
-               and child.weight.device.type == "cpu"]
-    tiles = ops is not None and getattr(ops, "tile_linear_ready", lambda: False)()
+               if type(child) is nn.Linear and child.weight.dtype in names and child.weight.device.type == "cpu"]
 
     def pack(name: str, linear: nn.Linear) -> nn.Module:
-        if not tiles or linear.in_features % 32:
-            return _pack(linear, batch_hint)
+        if names[linear.weight.dtype] not in paths or linear.in_features % 32:
+            return _onednn(linear, batch_hint)
         halves_fit = (linear.out_features // 2) % 16 == 0 and linear.bias is None
-        return TileLinear(linear, ops, gated=name == "gate_up_proj" and halves_fit)
+        gated = name == "gate_up_proj" and halves_fit and linear.weight.dtype == torch.bfloat16
+        return PanelLinear(linear, backend.linears, gated)
 
-    try:
-        packed = [(parent, name, pack(name, child)) for parent, name, child in targets]
-    except (RuntimeError, AttributeError, ValueError) as e:
-        log.warning("linear weights not prepacked (plain F.linear instead): %s", e)
-        return 0
-    for parent, name, layer in packed:
-        setattr(parent, name, layer)
-    return len(packed)
+    swapped = 0
+    for parent, name, child in targets:
+        try:
+            setattr(parent, name, pack(name, child))
+            swapped += 1
+        except (RuntimeError, AttributeError, ValueError) as e:
+            log.warning("%s weights not prepacked (plain F.linear instead): %s", name, e)
+    return swapped

@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_library.h"
 #include "cpu_math.h"
 
 #include <immintrin.h>
@@ -399,17 +400,6 @@ void attend_any(const T* q_row, const T* k_head, const T* v_head, const int32_t*
   }
 }
 
-std::vector<int64_t> head_sizes() { return {std::begin(kHeadSizes), std::end(kHeadSizes)}; }
-
-// Whether bfloat16 decodes run on AMX tiles here: built for a CPU with AMX, and the tile state granted.
-bool decode_uses_amx() {
-#if defined(PAGEDQ_AMX)
-  return pagedq::amx_ready();
-#else
-  return false;
-#endif
-}
-
 template <typename T>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* rows,
             const int64_t* seqs, const int32_t* lens, const int32_t* tables, const Shape& s, int64_t n,
@@ -453,6 +443,10 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   });
 }
 
+}  // namespace
+
+namespace pagedq {
+
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& rows, const at::Tensor& seqs, const at::Tensor& seq_lens,
                       const at::Tensor& block_table, double scale, at::Tensor out) {
@@ -468,7 +462,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const Shape s{q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_table.size(1),
                 static_cast<float>(scale)};
   TORCH_CHECK(s.q_heads % s.kv_heads == 0 && k_cache.size(3) == s.head_dim, "decode_attention: head shapes");
-  const auto sizes = head_sizes();
+  const auto sizes = pagedq::head_sizes();
   TORCH_CHECK(std::find(sizes.begin(), sizes.end(), s.head_dim) != sizes.end(), "decode_attention: head size ",
               s.head_dim, " is not built");
   const int64_t n = rows.numel();
@@ -518,17 +512,19 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   });
 }
 
-}  // namespace
+std::vector<int64_t> head_sizes() { return {std::begin(kHeadSizes), std::end(kHeadSizes)}; }
 
-TORCH_LIBRARY(pagedq, m) {
-  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor rows, Tensor seqs, Tensor seq_lens, "
-        "Tensor block_table, float scale, Tensor(a!) out) -> ()");
-  m.def("head_sizes() -> int[]", &head_sizes);
-  m.def("decode_uses_amx() -> bool", &decode_uses_amx);
-  m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+bool decode_uses_amx() {
+#if defined(PAGEDQ_AMX)
+  return amx_ready();
+#else
+  return false;
+#endif
 }
 
+}  // namespace pagedq
+
 TORCH_LIBRARY_IMPL(pagedq, CPU, m) {
-  m.impl("decode_attention", &decode_attention);
-  m.impl("store_kv", &store_kv);
+  m.impl("decode_attention", &pagedq::decode_attention);
+  m.impl("store_kv", &pagedq::store_kv);
 }

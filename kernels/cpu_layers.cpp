@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_library.h"
 #include "cpu_math.h"
 
 #include <cmath>
@@ -49,6 +50,10 @@ void check_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
   TORCH_CHECK(weight.numel() == x.size(1) && out.sizes() == x.sizes(), "rms_norm: shapes");
 }
 
+}  // namespace
+
+namespace pagedq {
+
 // out = weight * rmsnorm(x): x in float32, normalized, cast back, times the weight (transformers' order).
 void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor out) {
   check_norm(x, weight, out);
@@ -70,6 +75,10 @@ void add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& we
                         out.data_ptr<scalar_t>(), out.stride(0));
   });
 }
+
+}  // namespace pagedq
+
+namespace {
 
 // One head's row rotated in place: x * cos + rotate_half(x) * sin, each product and the sum rounded to T as torch
 // rounds its separate ops (no fused multiply-add: float32 gives torch's numbers exactly).
@@ -98,6 +107,10 @@ void rotate_rows(T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t token
         rotate_row(x + t * token_stride + hd * head_stride, cos + pos[t] * dim, sin + pos[t] * dim, dim / 2);
   });
 }
+
+}  // namespace
+
+namespace pagedq {
 
 void rotary(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary: x is [T, H, D] with contiguous heads");
@@ -145,19 +158,11 @@ bool silu_and_mul_built() {
 #endif
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(pagedq, m) {
-  m.def("silu_and_mul_built() -> bool", &silu_and_mul_built);
-  m.def("silu_and_mul(Tensor x, Tensor(a!) out) -> ()");
-  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
-  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps, Tensor(b!) out) -> ()");
-  m.def("rotary(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
-}
+}  // namespace pagedq
 
 TORCH_LIBRARY_IMPL(pagedq, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("rotary", &rotary);
-  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rms_norm", &pagedq::rms_norm);
+  m.impl("add_rms_norm", &pagedq::add_rms_norm);
+  m.impl("rotary", &pagedq::rotary);
+  m.impl("silu_and_mul", &pagedq::silu_and_mul);
 }

@@ -1,91 +1,43 @@
 """The CPU path in C++: decode and prefill attention that read the KV blocks in place (kernels/cpu_attention.cpp,
 kernels/cpu_prefill.cpp, which needs AVX-512), where the torch path gathers each sequence's blocks into a copy and
 attends over it; RMSNorm, rotary and (bfloat16) SiLU-and-multiply as one pass each (kernels/cpu_layers.cpp); keys
-and values stored with a copy per token; bfloat16 linear layers on AMX tiles (kernels/cpu_linear.cpp, used by
-engine.packed_linear).
-
-The kernels are compiled on first use with the machine's C++ compiler for the CPU they run on, once per source,
-CPU, compiler flags and torch version (a folder under the cache), and loaded as torch.ops.pagedq.*.
+and values stored with a copy per token; linear layers of our own on packed weight panels (kernels/cpu_linear.cpp,
+used by engine.packed_linear). kernels/build.py compiles them; `load` makes them torch.ops.pagedq.* here.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import sysconfig
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kernels import torch_ops
-
-log = logging.getLogger("pagedq.kernels")
-
-GRAPH_SAFE = False
-PLANNED = True  # paged_attention takes a step's plan dict (engine.models.llama.AttnContext.plan)
-FAST_LAYERS = True  # rms_norm, add_rms_norm, rotary and silu_and_mul below: the model uses them (LlamaForCausalLM.use_fast_layers)
-SOURCES = [Path(__file__).with_name(name)
-           for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_layers.cpp", "cpu_sampling.cpp",
-                         "cpu_linear.cpp")]
-HEADERS = [Path(__file__).with_name("cpu_math.h")]
-# -march=native: the build is for this CPU (its flags are in the build key). Reassociating float sums lets the
-# compiler vectorize the dot products; every sum is still accumulated in float32.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
-          "-fno-signed-zeros", "-ffp-contract=fast"]
+from kernels import build, torch_ops
 
 _lock = threading.Lock()
-_state: dict[str, str | None] = {}  # build folder -> None when loaded, else why the kernel is not available
+_state: dict[str, str | None] = {}  # build root -> None when loaded, else why the kernels are not available
 
 
-def _cpu_flags() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
-
-
-def build_key() -> str:
-    parts = [p.read_text() for p in SOURCES + HEADERS] + [" ".join(CFLAGS), _cpu_flags(), torch.__version__]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
-
-
-def load(build_root: Path) -> str | None:
-    """Compile (or reuse) and load the kernels: None once they are usable, else why not (no compiler, a failed
-    build)."""
-    folder = build_root / f"cpu-kernels-{build_key()}"
+def load(root: Path) -> str | None:
+    """Build (once per environment, see kernels/build.py) and load the kernels: None once they are usable, else why
+    not (no compiler, a failed build, another process's build that never finished)."""
     with _lock:
-        if str(folder) not in _state:
-            _state[str(folder)] = _build(folder)
-        return _state[str(folder)]
+        if str(root) not in _state:
+            _state[str(root)] = _load(root)
+        return _state[str(root)]
 
 
-def _build(folder: Path) -> str | None:
-    if hasattr(torch.ops.pagedq, "decode_attention"):  # another build folder already registered it
+def _load(root: Path) -> str | None:
+    if hasattr(torch.ops.pagedq, "decode_attention"):  # this process registered them already (another root)
         return None
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        return f"no C++ compiler ({compiler!r}) on PATH"
-    # torch builds with ninja: the pip package's, next to this Python, when the environment is not activated.
-    scripts = sysconfig.get_path("scripts")
-    if shutil.which("ninja") is None and shutil.which("ninja", path=scripts):
-        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
-    if shutil.which("ninja") is None:
-        return "no ninja on PATH (pip install ninja)"
-    from torch.utils import cpp_extension
-
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name=f"pagedq_cpu_{folder.name.rsplit('-', 1)[1]}", sources=[str(p) for p in SOURCES],
-                           extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], build_directory=str(folder),
-                           is_python_module=False, verbose=False)
-    except Exception as e:  # a compiler error, a missing header, a read-only cache: the torch ops still serve
-        return f"the CPU kernels did not build: {str(e).strip().splitlines()[-1] if str(e) else e!r}"
+        lib, built_now = build.ensure_built(root)
+    except build.BuildError as e:
+        return str(e)
+    if not built_now:  # a build loads what it built
+        torch.ops.load_library(str(lib))
     return None
 
 
@@ -224,28 +176,67 @@ def _silu_and_mul_built() -> bool:
     return bool(torch.ops.pagedq.silu_and_mul_built())
 
 
-# bfloat16 linear layers on AMX tiles (kernels/cpu_linear.cpp), for engine.packed_linear.
+# Linear layers on weight panels (kernels/cpu_linear.cpp), for engine.packed_linear.
 
 
-@functools.cache
-def tile_linear_ready() -> bool:
-    """Whether this CPU and process multiply on AMX tiles (the kernel is built for it and Linux granted them)."""
-    return bool(torch.ops.pagedq.tile_linear_ready())
+def linear_paths() -> dict[str, str]:
+    """dtype name -> how this CPU multiplies its panels ("amx", "avx512_bf16", "avx512"), for the dtypes it can."""
+    paths = {dtype: torch.ops.pagedq.panel_linear_path(dtype) for dtype in ("float32", "bfloat16")}
+    return {dtype: path for dtype, path in paths.items() if path}
 
 
-def tile_linear_pack(weight: torch.Tensor, gated: bool) -> torch.Tensor:
-    """A bfloat16 [N, K] weight (K a multiple of 32) in the tiles' layout. gated: [gate; up] rows of an MLP (N/2 a
-    multiple of 16), packed so that tile_linear returns silu(gate) * up."""
-    return torch.ops.pagedq.tile_linear_pack(weight.detach(), weight.shape[0] // 2 if gated else 0)
+def panel_pack(weight: torch.Tensor, gated: bool) -> torch.Tensor:
+    """A bfloat16 or float32 [N, K] weight (K a multiple of 32) as panels of 32 columns. gated (bfloat16): [gate; up]
+    rows of an MLP (N/2 a multiple of 16), packed so that panel_linear returns silu(gate) * up."""
+    return torch.ops.pagedq.panel_pack(weight.detach(), weight.shape[0] // 2 if gated else 0)
 
 
-def tile_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, gated: bool) -> torch.Tensor:
-    """x [..., K] @ weight.T (+ a float32 bias), or silu(gate) * up when gated: [..., N] or [..., N/2]."""
+def panel_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, gated: bool,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight.T (+ a float32 bias), or silu(gate) * up when gated: [..., N] or [..., N/2]. out: a
+    contiguous [rows, N] buffer to write into instead of a new tensor (rows = x's leading dimensions)."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.ops.pagedq.tile_linear(rows, packed, bias, n, gated)
+    if out is None:
+        out = torch.ops.pagedq.panel_linear(rows, packed, bias, n, gated)
+    else:
+        torch.ops.pagedq.panel_linear_out(rows, packed, bias, n, gated, out)
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+# The whole decoder stack in one C++ call a step (kernels/cpu_model.cpp), for engine.models.llama.
+
+
+class Decoder:
+    """A Llama-family decoder stack on these kernels: the same ops, order and roundings as the Python model on this
+    backend, without the few hundred op calls from Python a step makes."""
+
+    LAYER = ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias", "down",
+             "down_bias", "q_norm", "k_norm", "k_cache", "v_cache")  # kernels/cpu_model.h's order
+
+    def __init__(self, layers: list[dict[str, torch.Tensor | None]], embed: torch.Tensor, norm: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, dims: tuple[int, ...], eps: float, scale: float) -> None:
+        """layers: per layer, tensors named as in LAYER (None where absent: a bias, Qwen3's q/k norms); dims: hidden,
+        query heads, KV heads, head dim, intermediate size, gated (1 where gate_up returns silu(gate) * up)."""
+        absent = torch.empty(0)
+        tensors = [t if (t := layer.get(name)) is not None else absent for layer in layers for name in self.LAYER]
+        self.impl = torch.classes.pagedq.Decoder(tensors + [embed, norm, cos, sin], list(dims), eps, scale)
+
+    @staticmethod
+    def fits(head_dim: int, group: int) -> bool:
+        """Whether decode and prefill attention both have a kernel for this head shape (else: the Python model)."""
+        return _prefill_built(head_dim, group)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, plan: dict
+                 ) -> torch.Tensor:
+        """The final norm's output [T, hidden] of a flat token batch (AttnContext's tensors and plan)."""
+        p = plan.get(__name__) or _Plan.of(query_start_loc, seq_lens, block_table)
+        plan[__name__] = p
+        return self.impl.forward(input_ids, positions.long(), slot_mapping.to(torch.int64).contiguous(),
+                                 p.query_start_loc, p.seq_lens, p.block_table, p.decode_rows, p.decode_seqs,
+                                 p.prefill_seqs)
 
 
 _ARGMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_library.h"
 #include "cpu_math.h"
 
 #include <immintrin.h>
@@ -437,7 +438,9 @@ std::vector<std::vector<Item>> plan(const int64_t* seqs, int64_t n, const int64_
   return out;
 }
 
-int64_t prefill_max_group() { return kRows; }
+}  // namespace
+
+namespace pagedq {
 
 void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& seqs, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
@@ -492,21 +495,24 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
 }
 
 #else
-// Without AVX-512 there is no kernel: the torch ops serve prefills (kernels/cpu_ops.py asks prefill_max_group).
-int64_t prefill_max_group() { return 0; }
+}  // namespace
 
+namespace pagedq {
+
+// Without AVX-512 there is no kernel: the torch ops serve prefills (kernels/cpu_ops.py asks prefill_max_group).
 void prefill_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                        const at::Tensor&, const at::Tensor&, double, at::Tensor) {
   TORCH_CHECK(false, "prefill_attention: not built for a CPU without AVX-512");
 }
 #endif
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(pagedq, m) {
-  m.def("prefill_max_group() -> int", &prefill_max_group);
-  m.def("prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqs, Tensor query_start_loc, "
-        "Tensor seq_lens, Tensor block_table, float scale, Tensor(a!) out) -> ()");
+int64_t prefill_max_group() {
+#if defined(__AVX512F__)
+  return kRows;
+#else
+  return 0;
+#endif
 }
+}  // namespace pagedq
 
-TORCH_LIBRARY_IMPL(pagedq, CPU, m) { m.impl("prefill_attention", &prefill_attention); }
+TORCH_LIBRARY_IMPL(pagedq, CPU, m) { m.impl("prefill_attention", &pagedq::prefill_attention); }

@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_library.h"
 #include "cpu_math.h"
 
 #include <cmath>
@@ -86,6 +87,10 @@ void argmax_all(const T* data, int64_t rows, int64_t n, int64_t stride, int64_t*
   });
 }
 
+}  // namespace
+
+namespace pagedq {
+
 at::Tensor argmax_rows(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 && logits.stride(1) == 1,
               "argmax_rows: a [rows, vocab] tensor with contiguous, non-empty rows");
@@ -101,12 +106,8 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(pagedq, m) {
-  m.def("argmax_rows(Tensor logits) -> Tensor");
-}
+}  // namespace pagedq
 
 TORCH_LIBRARY_IMPL(pagedq, CPU, m) {
-  m.impl("argmax_rows", &argmax_rows);
+  m.impl("argmax_rows", &pagedq::argmax_rows);
 }

@@ -5,9 +5,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# The ops read lengths on the host (.tolist()): a CUDA graph cannot capture them.
-GRAPH_SAFE = False
-
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Each row's first maximum: the greedy tokens of [rows, vocab] logits. max's CPU kernel is about 1.5x

@@ -9,7 +9,8 @@ segments (split-K) whose partial results a second kernel merges by log-sum-exp.
 
 Launch choices depend on shapes only (token count, batch size, block-table width), never on tensor contents: no
 host sync, and a batch that changes never recompiles (the constexprs are model shape, block size and dtype; the
-kernel has three variants at most: mixed, decode, decode with split-K).
+kernel has three variants at most: mixed, decode, decode with split-K). So a CUDA graph can capture both ops
+(kernels.get_backend says so: graph_safe).
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-# No host sync and no allocation that depends on tensor contents: a CUDA graph can capture both ops.
-GRAPH_SAFE = True
 # Rows of the online-softmax state start here instead of -inf, so that a row that sees no key at all (a padding
 # row, an empty split-K segment) computes exp2(-inf - NEG) = 0 and never -inf - -inf = NaN.
 NEG = tl.constexpr(-1.0e30)

@@ -206,3 +206,38 @@ def start_serve(redis_url, tmp_path):
         if p.returncode not in (0, -15, -9):
             print(f"serve exited with {p.returncode}:\n{out[-5000:]}")
 # ---- end of serve fixtures ----
+
+
+# ---- the run's header: the CPU and its kernel paths (issue 22) ----
+def pytest_report_header(config) -> list[str]:
+    """Which CPU this run is on and which kernel paths it tests: the suite runs on AMX Xeons and on AVX512_BF16 CPUs
+    without AMX (Zen 4), and a path the CPU lacks is skipped by name (the summary's SKIPPED lines say why)."""
+    from pathlib import Path
+
+    try:
+        info = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    except OSError:
+        return ["cpu: unknown (no /proc/cpuinfo)"]
+    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in info.splitlines() if ":" in line)}
+    model = fields.get("model name", "unknown")
+    flags = set(fields.get("flags", "").split())
+    isa = [name for name, flag in (("AMX", "amx_bf16"), ("AVX512_BF16", "avx512_bf16"), ("AVX-512", "avx512f"),
+                                   ("AVX2", "avx2")) if flag in flags]
+    lines = [f"cpu: {model} ({os.cpu_count()} cores): {', '.join(isa) or 'no AVX2'}"]
+    try:
+        from engine.loader import cache_root
+        from kernels import build, cpu_ops
+
+        why = cpu_ops.load(build.default_root(cache_root()))
+    except Exception as e:  # the header must never stop the run
+        why = repr(e)
+    if why:
+        lines.append(f"cpu kernels: not built ({why}): their tests fail")
+    else:
+        import torch
+
+        paths = cpu_ops.linear_paths()
+        linear = ", ".join(f"{d} on {paths.get(d, 'oneDNN (no panel path)')}" for d in ("float32", "bfloat16"))
+        attention = "AMX tiles" if torch.ops.pagedq.decode_uses_amx() else "AVX-512 lanes" if "avx512f" in flags else "torch"
+        lines.append(f"cpu kernels: linears {linear}; bfloat16 attention on {attention}")
+    return lines

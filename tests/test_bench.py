@@ -59,19 +59,31 @@ def test_ratios_pass_fail_and_missing():
     assert "shared-prefix: via Redis / engine direct" not in got
 
 
+def test_single_stream_target_is_tpot_over_the_weight_read_time():
+    from bench.run import ratios
+
+    single = {"workload": "single", "system": "pagedq", "status": "ok", "checked": True, "tpot_p50_s": 0.013}
+    data = {"memory_bandwidth": {"read_bytes_per_s": 20e9}, "weight_bytes": 200e6}  # reading takes 10 ms
+    got = {q["name"]: q for q in ratios([single], ["single"], data)}["single: TPOT / weight-read time"]
+    assert got["value"] == pytest.approx(1.3) and got["bound_s"] == pytest.approx(0.01) and got["result"] == "pass"
+    slow = ratios([{**single, "tpot_p50_s": 0.02}], ["single"], data)[-1]
+    assert slow["result"] == "fail"
+    assert ratios([single], ["single"], {})[-1]["result"] == "n/a"  # no bandwidth measured
+
+
 def test_bench_command_smoke(tiny, tmp_path):
     from bench.cli import bench
 
     out = tmp_path / "results"
-    res = CliRunner().invoke(bench, ["--model", tiny, "--device", "cpu", "--quick", "-w", "chat",
+    res = CliRunner().invoke(bench, ["--model", tiny, "--device", "cpu", "--quick", "-w", "chat,single",
                                      "-s", "pagedq,hf-generate", "--out-dir", str(out), "--no-charts",
                                      "--no-progress"])
     assert res.exit_code == 0, res.output + repr(res.exception)
-    assert "chat: pagedq / HF one-at-a-time" in res.output
+    assert "chat: pagedq / HF one-at-a-time" in res.output and "single: TPOT / weight-read time" in res.output
     data = json.loads((out / "bench.json").read_text())
-    assert {"machine", "config", "results", "ratios", "matmul_peak", "params"} <= data.keys()
+    assert {"machine", "config", "results", "ratios", "matmul_peak", "params", "memory_bandwidth"} <= data.keys()
     assert {"cpu", "cpu_cores", "torch", "device"} <= data["machine"].keys()
-    rows = {r["system"]: r for r in data["results"]}
+    rows = {r["system"]: r for r in data["results"] if r["workload"] == "chat"}
     assert set(rows) == {"pagedq", "hf-generate"}
     for r in rows.values():
         assert r["status"] == "ok", r

@@ -7,7 +7,7 @@ from torch import nn
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine import config as engine_config
 from engine.loader import cache_root
-from engine.packed_linear import PackedLinear, TileLinear, pack_linears
+from engine.packed_linear import PackedLinear, PanelLinear, pack_linears
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of",
            "The first president of the United States was"]
@@ -40,26 +40,28 @@ def _greedy(engine, n=12):
     return [o.token_ids for o in outs]
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])  # qwen2: biased qkv; qwen3: q/k norms
-def test_prepacked_bfloat16_gives_the_same_tokens(tiny_model, arch):
+def test_prepacked_weights_give_the_same_tokens(tiny_model, arch, dtype):
     path = tiny_model(arch)
-    packed = LLMEngine(EngineConfig(model=path, dtype="bfloat16", num_kv_blocks=64))
-    plain = LLMEngine(EngineConfig(model=path, dtype="bfloat16", num_kv_blocks=64, prepack_weights=False))
+    packed = LLMEngine(EngineConfig(model=path, dtype=dtype, num_kv_blocks=64))
+    plain = LLMEngine(EngineConfig(model=path, dtype=dtype, num_kv_blocks=64, prepack_weights=False))
     if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         pytest.skip("this torch build has no oneDNN prepacked linear")
     kinds = {type(m) for m in packed.runner.model.modules()}
-    tiles = getattr(packed.runner.ops, "tile_linear_ready", lambda: False)()
-    assert (TileLinear in kinds) == tiles and (PackedLinear in kinds) != tiles  # AMX: every layer fits the tiles
-    assert not {PackedLinear, TileLinear} & {type(m) for m in plain.runner.model.modules()}
-    if tiles:
-        assert all(layer.mlp.gate_up_proj.activates for layer in packed.runner.model.model.layers)
+    panels = dtype in packed.runner.backend.linear_paths
+    # Where this CPU has a panel path for the dtype, every layer fits it; else oneDNN's layout.
+    assert (PanelLinear in kinds) == panels and (PackedLinear in kinds) != panels
+    assert not {PackedLinear, PanelLinear} & {type(m) for m in plain.runner.model.modules()}
+    gated = [layer.mlp.gate_up_proj.activates for layer in packed.runner.model.model.layers if panels]
+    assert all(gated) if dtype == "bfloat16" else not any(gated)  # float32's SiLU stays torch's
     assert _greedy(packed) == _greedy(plain)
 
 
-def test_layers_the_tiles_do_not_fit_go_to_onednn():
+def test_layers_the_panels_do_not_fit_go_to_onednn():
     if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         pytest.skip("this torch build has no oneDNN prepacked linear")
-    from kernels import cpu_ops
+    from kernels import Backend, build, get_backend
 
     def model() -> nn.Module:
         torch.manual_seed(0)
@@ -67,28 +69,19 @@ def test_layers_the_tiles_do_not_fit_go_to_onednn():
                            "gate_up_proj": nn.Linear(64, 2 * 24, bias=False)})  # 24: halves not a multiple of 16
         return m.to(torch.bfloat16)
 
-    class NoTiles:
-        @staticmethod
-        def tile_linear_ready() -> bool:
-            return False
-
     without = model()
-    assert pack_linears(without, 8, NoTiles()) == 3
+    assert pack_linears(without, 8, Backend("no panels", None, None)) == 3
     assert all(type(m) is PackedLinear for m in without.values())
-    if cpu_ops.load(cache_root() / "kernels") is not None or not cpu_ops.tile_linear_ready():
-        pytest.skip("no AMX tiles here")
+    backend = get_backend("cpu", "cpu", build.default_root(cache_root()))
+    if "bfloat16" not in backend.linear_paths:
+        pytest.skip("no bfloat16 panel path on this CPU (it lacks AVX512_BF16 and AMX)")
     mixed = model()
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     want = model()["wide"](x)
-    assert pack_linears(mixed, 8, cpu_ops) == 3
-    assert [type(m) for m in mixed.values()] == [TileLinear, PackedLinear, TileLinear]
+    assert pack_linears(mixed, 8, backend) == 3
+    assert [type(m) for m in mixed.values()] == [PanelLinear, PackedLinear, PanelLinear]
     assert not mixed["gate_up_proj"].activates  # the MLP applies SiLU-and-multiply itself
     torch.testing.assert_close(mixed["wide"](x), want, rtol=2**-7, atol=1e-3)
-
-
-def test_float32_is_never_prepacked(tiny_model):
-    engine = LLMEngine(EngineConfig(model=tiny_model("llama"), num_kv_blocks=64))
-    assert not any(isinstance(m, PackedLinear) for m in engine.runner.model.modules())
 
 
 @pytest.mark.skipif(not _bf16_units(), reason="no bfloat16 matmul units on this CPU: bfloat16 is emulated")

@@ -1,6 +1,7 @@
-"""The C++ kernels of the CPU path (kernels/cpu_attention.cpp, cpu_prefill.cpp, cpu_layers.cpp, cpu_sampling.cpp, built on first
-use) against the torch ops they replace, the engine on them, and how a backend is chosen on a CPU with and without
-a compiler."""
+"""The C++ kernels of the CPU path (kernels/cpu_attention.cpp, cpu_prefill.cpp, cpu_layers.cpp, cpu_sampling.cpp,
+cpu_linear.cpp, built on first use) against the torch ops they replace, the engine on them, and how a backend is
+chosen on a CPU with and without a compiler. Kernel paths this CPU lacks are skipped by name; tests/conftest.py
+prints which ran."""
 
 import json
 import os
@@ -11,15 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_ops, get_backend, torch_ops
+from engine.loader import cache_root
+from kernels import build, cpu_ops, get_backend, torch_ops
 from kernels.testing import attend, oracle, random_batch, rel_err, store, with_padding_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    why = cpu_ops.load(tmp_path_factory.mktemp("kernels"))
+def built():
+    # The engine's own build (tests/test_kernel_build.py builds afresh, killed and racing).
+    why = cpu_ops.load(build.default_root(cache_root()))
     assert why is None, why  # CI machines have a C++ compiler: a failed build is a failure, never a skip
     return cpu_ops
 
@@ -114,8 +117,10 @@ def test_padding_rows_are_zeros_and_other_head_sizes_fall_back(built):
 
 
 def test_auto_on_a_cpu_picks_the_kernel(built, tmp_path):
-    assert get_backend("auto", "cpu", tmp_path) is cpu_ops
-    assert get_backend("cpu", "cpu", tmp_path) is cpu_ops
+    for name in ("auto", "cpu"):
+        backend = get_backend(name, "cpu", tmp_path)
+        assert backend.name == "cpu" and backend.planned and backend.layers is cpu_ops and not backend.graph_safe
+        assert backend.linear_paths == built.linear_paths() and backend.fallback is None
 
 
 PROBE = """
@@ -129,7 +134,7 @@ try:
     explicit = "ok"
 except ValueError as e:
     explicit = str(e)
-print(json.dumps({"auto_is_torch": auto is torch_ops, "explicit": explicit}))
+print(json.dumps({"auto_is_torch": auto.name == "torch" and auto.fallback is not None, "explicit": explicit}))
 """
 
 
@@ -150,7 +155,7 @@ def test_an_unwritable_cache_falls_back_too(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     got, log = probe(blocker / "kernels")  # mkdir under a file fails, as on a read-only cache
-    assert got["auto_is_torch"] and "did not build" in log
+    assert got["auto_is_torch"] and "cannot build the CPU kernels in" in log
     assert "cannot run here" in got["explicit"]
 
 
@@ -219,40 +224,53 @@ def test_silu_and_mul_rounds_as_torch_does(built, dtype):
     assert torch.equal(built.silu_and_mul(narrow), torch_ops.silu_and_mul(narrow))
 
 
-def _tiles(built) -> bool:
-    amx_flags = " amx_bf16 " in Path("/proc/cpuinfo").read_text().replace("\n", " ")
-    assert built.tile_linear_ready() == amx_flags  # never a silent skip where the CPU has the tiles
-    return amx_flags
+def _path(built, dtype: torch.dtype) -> str:
+    """How this CPU multiplies dtype's panels; asserted against its flags, so a path is never skipped silently where
+    the CPU has it."""
+    flags = Path("/proc/cpuinfo").read_text().split("\n\n")[0].split()
+    want = {torch.float32: "avx512" if "avx512f" in flags else "",
+            torch.bfloat16: "amx" if "amx_bf16" in flags else "avx512_bf16" if "avx512_bf16" in flags else ""}[dtype]
+    got = built.linear_paths().get(str(dtype).removeprefix("torch."), "")
+    assert got == want
+    if not got:
+        pytest.skip(f"no {dtype} panel path on this CPU (it lacks {'AVX-512' if dtype == torch.float32 else 'AVX512_BF16 and AMX'})")
+    return got
 
 
-@pytest.mark.parametrize("rows", [1, 15, 16, 17, 33, 300])  # tails of a tile and of a 32-row block; two passes
+TOLERANCE = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 2**-8, "atol": 1e-4}}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 11, 12, 13, 15, 16, 17, 33, 300])  # tails of a register block, a tile, a pass
 @pytest.mark.parametrize("k, n", [(32, 32), (64, 96), (96, 50), (576, 960)])  # 50: a panel's tail
-def test_tile_linear_sums_as_a_float32_reference(built, rows, k, n):
-    if not _tiles(built):
-        pytest.skip("no AMX tiles on this CPU")
+def test_panel_linear_sums_as_a_float32_reference(built, dtype, rows, k, n):
+    _path(built, dtype)
     gen = torch.Generator().manual_seed(rows * n)
-    w = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16()
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
     bias = torch.randn(n, generator=gen)
-    x = torch.randn(rows, 2 * k, generator=gen).bfloat16()[:, k:]  # rows a stride apart
-    want = x.float() @ w.float().T
-    packed = built.tile_linear_pack(w, gated=False)
+    x = torch.randn(rows, 2 * k, generator=gen).to(dtype)[:, k:]  # rows a stride apart
+    want = x.double() @ w.double().T
+    packed = built.panel_pack(w, gated=False)
     for b in (None, bias):
-        got = built.tile_linear(x, packed, b, n, gated=False)
-        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-        torch.testing.assert_close(got.float(), want + (0 if b is None else b), rtol=2**-8, atol=1e-4)
-    batched = built.tile_linear(x.reshape(1, rows, k), packed, None, n, gated=False)
+        got = built.panel_linear(x, packed, b, n, gated=False)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        torch.testing.assert_close(got.double(), want + (0 if b is None else b.double()), **TOLERANCE[dtype])
+    batched = built.panel_linear(x.reshape(1, rows, k), packed, None, n, gated=False)
     assert batched.shape == (1, rows, n)
+    buffer = torch.full((rows + 3, n), float("nan"), dtype=dtype)
+    into = built.panel_linear(x, packed, None, n, gated=False, out=buffer[:rows])
+    assert into.data_ptr() == buffer.data_ptr() and torch.equal(into, batched[0])
+    assert buffer[rows:].isnan().all()  # nothing written past the rows
 
 
 @pytest.mark.parametrize("rows", [1, 20, 64])
-def test_gated_tile_linear_is_silu_and_mul_of_the_projection(built, rows):
-    if not _tiles(built):
-        pytest.skip("no AMX tiles on this CPU")
+def test_gated_panel_linear_is_silu_and_mul_of_the_projection(built, rows):
+    _path(built, torch.bfloat16)
     gen = torch.Generator().manual_seed(rows)
     inter, k = 48, 64  # three 16-column panels of gate beside up
     w = (torch.randn(2 * inter, k, generator=gen) / 2).bfloat16()
     x = torch.randn(rows, k, generator=gen).bfloat16()
-    got = built.tile_linear(x, built.tile_linear_pack(w, gated=True), None, 2 * inter, gated=True)
+    got = built.panel_linear(x, built.panel_pack(w, gated=True), None, 2 * inter, gated=True)
     want = torch_ops.silu_and_mul((x.float() @ w.float().T).bfloat16())
     assert got.shape == want.shape == (rows, inter)
     # The projection rounds as the reference's does but for a last float32 bit now and then: so may a value.
@@ -260,16 +278,21 @@ def test_gated_tile_linear_is_silu_and_mul_of_the_projection(built, rows):
     torch.testing.assert_close(got, want, rtol=2**-6, atol=1e-3)
 
 
-def test_tile_linear_refuses_what_does_not_fit(built):
+def test_panel_linear_refuses_what_does_not_fit(built):
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        built.tile_linear_pack(torch.zeros(32, 40, dtype=torch.bfloat16), gated=False)
+        built.panel_pack(torch.zeros(32, 40, dtype=torch.bfloat16), gated=False)
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        built.tile_linear_pack(torch.zeros(2 * 24, 64, dtype=torch.bfloat16), gated=True)
-    if not _tiles(built):
-        return
-    packed = built.tile_linear_pack(torch.zeros(64, 64, dtype=torch.bfloat16), gated=False)
+        built.panel_pack(torch.zeros(2 * 24, 64, dtype=torch.bfloat16), gated=True)
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        built.panel_pack(torch.zeros(32, 32, dtype=torch.float16), gated=False)
+    _path(built, torch.float32)
+    packed = built.panel_pack(torch.zeros(64, 64), gated=False)
     with pytest.raises(RuntimeError, match="another shape"):
-        built.tile_linear(torch.zeros(3, 32, dtype=torch.bfloat16), packed, None, 64, gated=False)
+        built.panel_linear(torch.zeros(3, 32), packed, None, 64, gated=False)
+    with pytest.raises(RuntimeError, match="weight's dtype"):
+        built.panel_linear(torch.zeros(3, 64, dtype=torch.bfloat16), packed, None, 64, gated=False)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        built.panel_linear(torch.zeros(3, 64), packed, None, 64, gated=False, out=torch.zeros(64, 3).t())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -305,3 +328,38 @@ def test_engine_on_the_cpu_kernels_matches_the_torch_ops(built, tiny_model, arch
         assert (engine.runner.model.fast is built) == (backend == "cpu")
         outs[backend] = [o.token_ids for o in engine.generate(prompts, params)]
     assert outs["cpu"] == outs["torch"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])  # qwen2: biased qkv; qwen3: q/k norms
+def test_the_decoder_stack_in_one_call_equals_layer_by_layer(built, tiny_model, arch, dtype):
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    # Prompts longer than a step's token budget (chunked prefill) beside decodes, greedy and seeded, with logprobs.
+    prompts = [[5, 9, 200, 31] * 20, [7] * 3, list(range(40, 140))]
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=3),
+              SamplingParams(max_tokens=20, temperature=0.8, seed=4, ignore_eos=True, logprobs=0),
+              SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)]
+    outs = {}
+    for whole in (True, False):
+        engine = LLMEngine(EngineConfig(model=tiny_model(arch), dtype=dtype, num_kv_blocks=64,
+                                        max_num_batched_tokens=48))
+        model = engine.runner.model
+        assert model.decoder is not None  # every part has a kernel here
+        if not whole:
+            model.decoder = None
+        outs[whole] = [(o.token_ids, o.logprobs) for o in engine.generate(prompts, params)]
+    assert outs[True] == outs[False]  # the same ops in the same order: the same numbers
+
+
+def test_the_decoder_stack_stays_out_where_a_part_has_no_kernel(built, tiny_model):
+    from engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=tiny_model("llama"), num_kv_blocks=16))
+    model, backend = engine.runner.model, engine.runner.backend
+    assert model.use_decoder(backend)
+    model.model.layers[0].mlp.down_proj = torch.nn.Linear(128, 64)  # a plain linear: no panels
+    assert not model.use_decoder(backend) and model.decoder is None
+    torch_backend = get_backend("torch", "cpu")
+    assert not LLMEngine(EngineConfig(model=tiny_model("llama"), num_kv_blocks=16,
+                                      attention_backend="torch")).runner.model.use_decoder(torch_backend)

@@ -52,6 +52,23 @@ def run(engine: LLMEngine, requests: list[tuple[int, str | list[int], SamplingPa
     return seen, batches
 
 
+def assert_same_outputs(got, want, path: str = "outputs") -> None:
+    """Equal, but for logprobs: floats within float32 rounding. Two batch shapes (with overlap, a request shares its
+    steps with others) can sum a matmul in two orders, so a logprob may differ in its last bits; tokens may not."""
+    if isinstance(got, float) or isinstance(want, float):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-5), path
+    elif isinstance(got, dict) and isinstance(want, dict):
+        assert got.keys() == want.keys(), path
+        for key in got:
+            assert_same_outputs(got[key], want[key], f"{path}[{key!r}]")
+    elif isinstance(got, (list, tuple)) and isinstance(want, (list, tuple)):
+        assert type(got) is type(want) and len(got) == len(want), path
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert_same_outputs(a, b, f"{path}[{i}]")
+    else:
+        assert got == want, path
+
+
 def mixed_requests(path: str) -> list[tuple[int, str, SamplingParams]]:
     # A stop string and a stop token this model actually produces, read from a plain run.
     probe = make(path, overlap=False).generate([PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0))[0]
@@ -81,7 +98,7 @@ def test_overlapped_steps_give_the_same_outputs(pq_tiny_model, blocks):
     requests = mixed_requests(pq_tiny_model)
     plain, plain_batches = run(make(pq_tiny_model, overlap=False, num_kv_blocks=blocks), requests)
     overlapped, overlapped_batches = run(make(pq_tiny_model, overlap=True, num_kv_blocks=blocks), requests)
-    assert overlapped == plain
+    assert_same_outputs(overlapped, plain)
     reasons = {events[-2][2] for events in plain.values()}
     assert reasons == {"stop", "length"}  # stop tokens, stop strings and lengths all ended something
     if blocks == 64:  # with room (no preemption to differ in), the scheduler makes the same batches...
@@ -141,7 +158,7 @@ def test_steps_scheduled_ahead_give_the_same_outputs(pq_tiny_model, blocks, padd
 
     engine.runner.run = spy
     overlapped, _ = run(engine, requests)
-    assert overlapped == plain
+    assert_same_outputs(overlapped, plain)
     # Nearly every step took inputs from the one in flight: all rows in steady decoding, some when requests came
     # or went.
     assert fed.count("none") < len(fed) * 0.2 and {"all", "some"} <= set(fed)

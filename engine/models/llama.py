@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kernels import torch_ops
+from engine.packed_linear import PanelLinear
+from kernels import Backend, torch_ops
 
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -23,15 +24,14 @@ class AttnContext:
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_table: torch.Tensor
-    ops: object  # a kernels backend module: store_kv, paged_attention
-    # What a backend derives from this step's tensors once, for every layer (a backend with PLANNED set takes it).
+    backend: Backend
+    # What a backend derives from this step's tensors once, for every layer (a planned backend takes it).
     plan: dict = field(default_factory=dict)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """The backend's paged_attention over this step's batch."""
-        planned = {"plan": self.plan} if getattr(self.ops, "PLANNED", False) else {}
-        return self.ops.paged_attention(q, k_cache, v_cache, self.query_start_loc, self.seq_lens, self.block_table,
-                                        scale, **planned)
+        return self.backend.attend(q, k_cache, v_cache, self.query_start_loc, self.seq_lens, self.block_table, scale,
+                                   self.plan)
 
 
 def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -126,7 +126,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q), rotary(k)
-        ctx.ops.store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        ctx.backend.store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         o = ctx.attend(q, self.k_cache, self.v_cache, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -201,9 +201,13 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
         self.fast = None
+        self.decoder = None  # the whole stack in one call a step (use_decoder)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         """Hidden states [T, hidden] of a flat token batch."""
+        if self.decoder is not None:
+            return self.decoder(input_ids, positions, ctx.slot_mapping, ctx.query_start_loc, ctx.seq_lens,
+                                ctx.block_table, ctx.plan)
         h = self.model.embed_tokens(input_ids)
         if self.fast is not None:
             fast, positions = self.fast, positions.long()
@@ -222,12 +226,42 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(h) if residual is None else self.model.norm.add_and_norm(h, residual)[0]
 
     def use_fast_layers(self, fast) -> None:
-        """RMSNorm, rotary and SiLU-and-multiply from `fast` (kernels.cpu_ops: one C++ pass each, the same roundings)
-        instead of several torch ops each; None: the torch ops."""
+        """RMSNorm, rotary and SiLU-and-multiply from `fast` (a Backend's layers, kernels.cpu_ops: one C++ pass each,
+        the same roundings) instead of several torch ops each; None: the torch ops."""
         self.fast = fast
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP)):
                 module.fast = fast
+
+    def use_decoder(self, backend: Backend) -> bool:
+        """Run the decoder stack as one call a step on the backend's kernels (kernels.cpu_ops.Decoder), where it has
+        them: its fast layers in use, every linear on its weight panels, and attention kernels for these heads. Its
+        outputs equal the layer-by-layer path's: the same ops in the same order. Call once the KV cache is in place.
+        -> whether it is used."""
+        attn = self.model.layers[0].self_attn
+        linears = [m for layer in self.model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                               layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        gated = {getattr(layer.mlp.gate_up_proj, "activates", False) for layer in self.model.layers}
+        fits = (backend.decoder is not None and self.fast is backend.layers and len(gated) == 1
+                and all(type(m) is PanelLinear for m in linears)
+                and backend.decoder.fits(attn.head_dim, attn.num_heads // attn.num_kv_heads))
+        self.decoder = backend.decoder([self._layer_tensors(layer) for layer in self.model.layers],
+                                       self.model.embed_tokens.weight, self.model.norm.weight, self.cos, self.sin,
+                                       (self.config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                        self.model.layers[0].mlp.inter, int(gated.pop())),
+                                       self.model.norm.eps, attn.scale) if fits else None
+        return self.decoder is not None
+
+    @staticmethod
+    def _layer_tensors(layer: DecoderLayer) -> dict[str, torch.Tensor | None]:
+        attn, mlp = layer.self_attn, layer.mlp
+        return {"input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
+                "qkv": attn.qkv_proj.packed, "qkv_bias": attn.qkv_proj.bias, "o": attn.o_proj.packed,
+                "o_bias": attn.o_proj.bias, "gate_up": mlp.gate_up_proj.packed, "gate_up_bias": mlp.gate_up_proj.bias,
+                "down": mlp.down_proj.packed, "down_bias": mlp.down_proj.bias,
+                "q_norm": attn.q_norm.weight if attn.qk_norm else None,
+                "k_norm": attn.k_norm.weight if attn.qk_norm else None,
+                "k_cache": attn.k_cache, "v_cache": attn.v_cache}
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """In the model's dtype: the sampler upcasts what it needs to."""

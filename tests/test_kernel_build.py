@@ -1,0 +1,98 @@
+"""Building the CPU kernels once per environment, safely (kernels/build.py): a build killed halfway never blocks the
+next start, racing starts build once, a held lock is waited for within a bound, and the key tells environments
+apart."""
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kernels import build
+
+ROOT = Path(__file__).resolve().parent.parent
+
+START = """
+import logging, sys, time
+from pathlib import Path
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+from kernels import get_backend
+t = time.monotonic()
+backend = get_backend("cpu", "cpu", Path(sys.argv[1]))
+print(f"ready {backend.name} after {time.monotonic() - t:.0f} s", flush=True)
+"""
+
+
+def start(root: Path) -> subprocess.Popen:
+    """What a worker's start does for its kernels, in a process of its own (its own session: a kill reaches the
+    compilers it runs too)."""
+    return subprocess.Popen([sys.executable, "-c", START, str(root)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_a_build_killed_halfway_blocks_no_later_start(tmp_path):
+    if build.missing_tools():
+        pytest.fail(f"CI machines can build the kernels: {build.missing_tools()}")
+    root = tmp_path / "kernels"
+    key = build.build_key()
+    first = start(root)
+    deadline = time.monotonic() + 120
+    while not any(root.glob(f"cpu-kernels-{key}.tmp-*/build.ninja")):
+        assert first.poll() is None, first.stdout.read()
+        assert time.monotonic() < deadline, "the first build never started compiling"
+        time.sleep(0.2)
+    time.sleep(3)  # mid-compile (a build takes a minute or more): objects half written, torch's lock in its folder
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait(30)
+    assert any(root.glob(f"cpu-kernels-{key}.tmp-*")) and not build.library(root, key).exists()
+
+    # Two starts at once, as N worker replicas on one cache volume: one builds, the other waits for it.
+    racing = [start(root), start(root)]
+    logs = [p.communicate(timeout=900)[0] for p in racing]
+    assert [p.returncode for p in racing] == [0, 0], logs
+    assert all("ready cpu" in log for log in logs), logs
+    assert sum("building the CPU kernels for this CPU" in log for log in logs) == 1, logs
+    assert build.library(root, key).exists()
+    assert not any(root.glob(f"cpu-kernels-{key}.tmp-*"))  # the killed build's leftovers are gone
+
+    again = start(root)  # a later start loads what is there, with no build and no wait
+    log = again.communicate(timeout=300)[0]
+    assert again.returncode == 0 and "ready cpu" in log and "building" not in log and "waiting" not in log, log
+
+
+def test_a_held_lock_is_waited_for_within_a_bound(tmp_path, caplog):
+    root = tmp_path / "kernels"
+    root.mkdir()
+    key = build.build_key()
+    with open(root / f"cpu-kernels-{key}.lock", "a+") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)  # another process building (a different open file: the lock conflicts)
+        with caplog.at_level("INFO", logger="pagedq.kernels"), pytest.raises(build.BuildError) as e:
+            build.ensure_built(root, wait_s=1.0)
+    assert str(build.folder(root, key)) in str(e.value) and build.WAIT_ENV in str(e.value)
+    assert "another process is building the CPU kernels" in caplog.text
+
+
+def test_the_key_tells_environments_apart(monkeypatch):
+    key = build.build_key()
+    assert build.build_key() == key  # stable within one environment
+    monkeypatch.setattr(sys, "prefix", "/another/venv")
+    other_env = build.build_key()
+    monkeypatch.undo()
+    monkeypatch.setattr(build, "_compiler_identity", lambda: "/usr/bin/g++-99 g++ 99.0")
+    other_compiler = build.build_key()
+    monkeypatch.undo()
+    monkeypatch.setattr(build, "_cpu_flags", lambda: "flags: fpu sse2")
+    other_cpu = build.build_key()
+    assert len({key, other_env, other_compiler, other_cpu}) == 4
+
+
+def test_kernels_dir_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv(build.ROOT_ENV, raising=False)
+    assert build.default_root(tmp_path) == tmp_path / "kernels"
+    monkeypatch.setenv(build.ROOT_ENV, str(tmp_path / "image"))
+    assert build.default_root(tmp_path) == tmp_path / "image"
