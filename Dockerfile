@@ -12,6 +12,7 @@ COPY engine engine
 COPY kernels kernels
 COPY producer producer
 COPY worker worker
+COPY monitor monitor
 COPY bench bench
 COPY serve serve
 # serve: `pagedq serve` and `pagedq dashboard` run from the same image.

@@ -86,7 +86,7 @@ def create_app(config: ServeConfig | None = None) -> FastAPI:
     if not config.api_keys:
         # The dashboard submits jobs without a bearer token (a browser form): only where the API has no keys
         # either. With keys, run `pagedq dashboard` on an operators' port instead.
-        from worker.dashboard import create_app as dashboard_app
+        from monitor.dashboard import create_app as dashboard_app
 
         app.mount("/dashboard", dashboard_app(config.redis_url, config.queue))
 

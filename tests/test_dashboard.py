@@ -161,7 +161,7 @@ def test_dashboard_mounts_under_a_prefix(redis_url, queue):
     from starlette.routing import Mount
     from starlette.testclient import TestClient
 
-    from worker.dashboard import create_app
+    from monitor.dashboard import create_app
 
     assert starlette
     outer = Starlette(routes=[Mount("/dashboard", create_app(redis_url, queue))])

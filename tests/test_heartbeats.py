@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 from faults import wait_for
 
+from monitor import fleet
 from producer import Client
 from producer.keys import GROUP, Keys
-from worker import fleet
 from worker.consumers import prune_dead_consumers
 from worker.heartbeat import Heartbeat
 from worker.metrics import Metrics

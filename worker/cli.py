@@ -207,7 +207,7 @@ def _print_result(res, as_json: bool, quiet_text: bool = False) -> None:
 
 
 def _not_found(c, e: Exception, job_id: str, queue: str) -> CliError:
-    from worker.job_locator import find_queue_of
+    from monitor.job_locator import find_queue_of
 
     other = find_queue_of(c.redis, job_id, queue)
     hint = f"; it is in queue {other!r}: pass --queue {other}" if other else ""
@@ -243,8 +243,8 @@ def result(redis_url, queue, job_id, timeout, as_json) -> None:
 def status(redis_url, queue, job_id, as_json, all_queues, watch, interval) -> None:
     """Per queue: depth, pending, the oldest job's age, consumers and each live worker; with JOB_ID, that
     job's state."""
+    from monitor import fleet, status_view
     from producer import Client, JobNotFound
-    from worker import fleet, status_view
 
     with Client(redis_url, queue=queue) as c:
         if job_id:
@@ -273,9 +273,9 @@ def status(redis_url, queue, job_id, as_json, all_queues, watch, interval) -> No
 @click.option("--json", "as_json", is_flag=True, help="Print JSON")
 def workers(redis_url, queue, as_json) -> None:
     """Every live worker, across all queues: model, device, batch, KV cache use, throughput."""
+    from monitor import fleet, status_view
     from producer.connection import connect
     from producer.keys import Keys
-    from worker import fleet, status_view
 
     r = connect(redis_url, decode_responses=True)
     try:
@@ -312,7 +312,7 @@ def dashboard(redis_url, queue, host, port) -> None:
     its tokens. It reads only Redis, so it shows every worker of every queue."""
     import uvicorn
 
-    from worker.dashboard import create_app
+    from monitor.dashboard import create_app
 
     _check_redis(redis_url)
     click.echo(f"pagedq dashboard on http://{host}:{port}/")

@@ -172,7 +172,7 @@ class Metrics:
         self.kv_total.set(kv_total)
 
     def queue_state(self, info: dict) -> None:
-        """`info`: worker.queue_info.queue_info's answer."""
+        """`info`: producer.queue_info.queue_info's answer."""
         self.depth.set(info["length"])
         self.pending.set(info["pending"])
         self.oldest_pending_age.set(info.get("oldest_pending_age_s") or 0)
