@@ -30,25 +30,10 @@ FINAL = ("completed", "failed", "expired", "cancelled")
 TIMES = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
          "cancelled_at")
 
-# Set a batch's status (and more fields) only if it is one of the given states: two processes that advance one
-# batch at once cannot move it backwards (a slow one writing "in_progress" over "cancelling", say). One key:
-# legal on a cluster.
-SET_IF = """
-local n = tonumber(ARGV[1])
-local cur = redis.call('HGET', KEYS[1], 'status')
-local ok = false
-for i = 2, n + 1 do if ARGV[i] == cur then ok = true end end
-if not ok then return 0 end
-for i = n + 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-return 1
-"""
-
-
-def set_if(batch_id: str, states: tuple[str, ...], **fields: object) -> Cmd:
-    args: list = [len(states), *states]
-    for k, v in fields.items():
-        args += [k, v]
-    return Cmd("eval", (SET_IF, 1, BatchKeys.batch(batch_id), *args))
+def set_if(batch_id: str, states: tuple[str, ...], **fields: object) -> Flow:
+    """Set the batch's fields only while its status is one of `states` (producer/scripts/set_if.lua); returns
+    whether they were set."""
+    return (yield from flows.run_call(calls.set_if(BatchKeys.batch(batch_id), "status", states, fields)))
 
 
 def new_id() -> str:
@@ -114,7 +99,7 @@ def submit(batch_id: str, items: list[Item]) -> Flow:
         for o in outs:
             if isinstance(o, Exception) and not isinstance(o, calls.DuplicateJobError):
                 raise o
-    moved = yield set_if(batch_id, ("validating",), status="in_progress", in_progress_at=int(time.time()))
+    moved = yield from set_if(batch_id, ("validating",), status="in_progress", in_progress_at=int(time.time()))
     yield Cmd("delete", (BatchKeys.submitting(batch_id),))
     if not moved and (yield Cmd("hget", (BatchKeys.batch(batch_id), "status"))) == "cancelling":
         yield from cancel_open(batch_id)
@@ -147,7 +132,7 @@ def cancel(batch_id: str) -> Flow:
 
     if not (yield Cmd("exists", (BatchKeys.batch(_checked(batch_id, "batch_id")),))):
         raise not_found(f"No batch with id {batch_id!r}")
-    moved = yield set_if(batch_id, ("validating", "in_progress"), status="cancelling",
+    moved = yield from set_if(batch_id, ("validating", "in_progress"), status="cancelling",
                          cancelling_at=int(time.time()))
     if moved:
         yield from cancel_open(batch_id)

@@ -6,7 +6,7 @@ unfinished batches) all run `advance`, which is idempotent and safe to run in ma
 - in_progress / cancelling: read the states of its open jobs; each ended one moves from the open set to its
   outcome's set (SADD/SREM: recording a job twice counts it once); past the completion window, cancel the rest;
 - no open job left: write the output and error files under ids fixed by the batch id (two finalizers write the
-  same bytes), then set the final status, only from a non-final one (serve.batches.SET_IF).
+  same bytes), then set the final status, only from a non-final one (producer/scripts/set_if.lua).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def advance(batch_id: str) -> Flow:
         yield from _resume(batch_id)
     elif status in ("in_progress", "cancelling"):
         late = status == "in_progress" and time.time() > int(h["expires_at"])
-        if late and (yield batches.set_if(batch_id, ("in_progress",), status="cancelling", expiring=1,
+        if late and (yield from batches.set_if(batch_id, ("in_progress",), status="cancelling", expiring=1,
                                           cancelling_at=int(time.time()))):
             yield from batches.cancel_open(batch_id)
         if not (yield from _record(batch_id)):
@@ -89,7 +89,7 @@ def _finalize(batch_id: str) -> Flow:
     h = yield Cmd("hgetall", (BatchKeys.batch(batch_id),))
     if h.get("status") not in ("in_progress", "cancelling"):
         return
-    yield batches.set_if(batch_id, ("in_progress", "cancelling"), finalizing_at=int(time.time()))
+    yield from batches.set_if(batch_id, ("in_progress", "cancelling"), finalizing_at=int(time.time()))
     kind = endpoint_kind(h["endpoint"])
     items = yield from batches.load_items(batch_id)
     order = sorted(items)
@@ -120,7 +120,7 @@ def _finalize(batch_id: str) -> Flow:
     else:
         final = {"status": "cancelled", "cancelled_at": now}
     # From the status read above only: a cancel that came meanwhile is finalized on the next advance.
-    if (yield batches.set_if(batch_id, (h["status"],), output_file_id=out_id, error_file_id=err_id, **final)):
+    if (yield from batches.set_if(batch_id, (h["status"],), output_file_id=out_id, error_file_id=err_id, **final)):
         yield Cmd("srem", (BatchKeys.active, batch_id))
 
 
