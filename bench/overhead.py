@@ -53,8 +53,7 @@ def _params():
 
 
 def _all_decoding(engine, n: int) -> bool:
-    running = engine.scheduler.running
-    return len(running) == n and all(s.num_computed_tokens == s.num_tokens - 1 for s in running)
+    return engine.request_counts()[0] == n and engine.num_decoding() == n
 
 
 def measure_direct(engine, n: int, steps: int = STEPS) -> dict:

@@ -276,7 +276,7 @@ class Worker:
             self.publisher.step(items, now)
         self.metrics.running.set(len(self.active))
         self._expire(now)
-        self.engine.times.lap("publish")
+        self.engine.record_phase("publish")
 
     def _collect(self, outs: list, now: float) -> tuple[list, list, list, int]:
         """One pass over a step's outputs -> the publisher's items [(job, output)], the same pairs for first
@@ -315,18 +315,17 @@ class Worker:
         m.engine_state(eng.num_running, eng.num_waiting, eng.num_free_blocks, eng.num_total_blocks)
 
     def _static_info(self) -> dict:
-        cfg = getattr(self.engine, "config", None)
-        return {"model": self.model, "served": sorted(self.served), "device": getattr(cfg, "device", None), "dtype": getattr(cfg, "dtype", None),
-                "max_num_seqs": getattr(cfg, "max_num_seqs", None), "version": pagedq_version(),
-                "host": socket.gethostname(), "pid": os.getpid()}
+        cfg = self.engine.config
+        return {"model": self.model, "served": sorted(self.served), "device": cfg.device, "dtype": cfg.dtype,
+                "max_num_seqs": cfg.max_num_seqs, "version": pagedq_version(), "host": socket.gethostname(),
+                "pid": os.getpid()}
 
     def _live_state(self) -> dict:
         """For the heartbeat thread: plain reads of counters and list lengths the step loop updates."""
         eng = self.engine
-        sched = getattr(eng, "scheduler", None)
+        running, waiting = eng.request_counts()
         total, free = eng.num_total_blocks, eng.num_free_blocks
-        return {"jobs": len(self.active), "running": len(sched.running) if sched else len(self.active),
-                "waiting": len(sched.waiting) if sched else 0, "kv_blocks_used": total - free,
+        return {"jobs": len(self.active), "running": running, "waiting": waiting, "kv_blocks_used": total - free,
                 "kv_blocks_total": total, "steps": self.steps, "last_step_s": round(self.last_step_s, 6),
                 "jobs_finished": self.metrics.jobs_finished, "draining": self.stop_event.is_set()}
 
