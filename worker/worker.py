@@ -27,7 +27,8 @@ from worker.job import RunningJob
 from worker.leases import LeaseKeeper
 from worker.metrics import Metrics
 from worker.pipeline import run_calls
-from worker.publisher_process import DIED, PublisherProcess, Setup, tokenizer_spec
+from worker.publisher import DIED, Publisher
+from worker.publisher.messages import Setup, tokenizer_spec
 from worker.resume import read_output
 from worker.validate import Rejected, parse, prompt_ids, sampling_params
 from worker.version import pagedq_version
@@ -80,7 +81,7 @@ class Worker:
         self.active: dict[str, RunningJob] = {}
         self.stop_event = threading.Event()
         # The publisher process connects from the URL (a `redis` client given here serves the loop's own calls).
-        self.publisher = PublisherProcess(
+        self.publisher = Publisher(
             Setup(config.redis_url, options, is_cluster(self.r), config.queue, self.settings, self.model,
                   tokenizer_spec(engine.tokenizer), log.getEffectiveLevel()), self.metrics)
         self.last_step_s = 0.0
@@ -279,8 +280,8 @@ class Worker:
         self.engine.record_phase("publish")
 
     def _collect(self, outs: list, now: float) -> tuple[list, list, list, int]:
-        """One pass over a step's outputs -> the publisher's items [(job, output)], the same pairs for first
-        tokens and for finished jobs, and the tokens generated. Runs per job per step: kept to one loop."""
+        """One pass over a step's outputs -> those of the jobs held (the publisher's), (job, output) pairs for
+        first tokens and for finished jobs, and the tokens generated. Runs per job per step: kept to one loop."""
         active = self.active
         items, firsts, ends, ntok = [], [], [], 0
         for out in outs:
@@ -294,7 +295,7 @@ class Worker:
             if out.finished:
                 del active[out.request_id]
                 ends.append((job, out))
-            items.append((job, out))
+            items.append(out)
             job.emitted += n
             ntok += n
         return items, firsts, ends, ntok
