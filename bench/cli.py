@@ -1,10 +1,15 @@
-"""The `pagedq bench` command (also `python -m bench`). Imports only click until it runs."""
+"""The `pagedq bench` (also `python -m bench`) and `pagedq gpu-check` commands. Imports only click until they
+run."""
 
 from __future__ import annotations
 
 import signal
+import sys
 
 import click
+
+from bench import gpu_check
+from engine.config import DEFAULT_MODEL
 
 WORKLOADS = ("chat", "mixed", "online", "shared-prefix", "overhead")
 SYSTEMS = ("pagedq", "pagedq-redis", "hf-generate", "hf-static", "hf-cb", "pagedq-serve", "vllm")
@@ -43,7 +48,7 @@ def _requests(ctx, param, value: tuple[str, ...]) -> dict[str, int]:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option("--model", default="smollm2-135m-instruct", help="Alias, local HF folder, .gguf file or hub id")
+@click.option("--model", default=DEFAULT_MODEL, help="Alias, local HF folder, .gguf file or hub id")
 @click.option("--device", default=None, help="cpu or cuda[:N]; default: cuda when there is one")
 @click.option("--dtype", default=None,
               help="float32 | bfloat16 | float16 | auto; default: float32 on cpu, bfloat16 on cuda")
@@ -92,3 +97,16 @@ def bench(model, device, dtype, workloads, systems, quick, num_requests, hf_sing
         raise click.ClickException(str(e)) from None
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def _gpu_check_options(f):
+    for flag, default, help in reversed(gpu_check.OPTIONS):
+        f = click.option(flag, default=default, help=help)(f)
+    return f
+
+
+@click.command("gpu-check")
+@_gpu_check_options
+def gpu_check_command(out, device, sections, model) -> None:
+    """On a GPU: kernel correctness, attention bandwidth, CUDA graphs vs eager, end to end vs transformers."""
+    sys.exit(gpu_check.run(out, device, sections.split(","), model, echo=click.echo))

@@ -20,7 +20,7 @@ FLAGS = ("--max-num-seqs", "4", "--num-kv-blocks", "64", "--max-model-len", "256
 
 
 def cli(redis_url, queue, *args):
-    from worker.cli import main
+    from cli import main
 
     return CliRunner().invoke(main, [*args], env={"REDIS_URL": redis_url, "PAGEDQ_QUEUE": queue})
 
