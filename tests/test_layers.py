@@ -17,7 +17,7 @@ ALLOWED = {
     "cli": {"bench", "serve", "worker", "monitor", "engine", "kernels", "producer"},
     "bench": {"serve", "worker", "monitor", "engine", "kernels", "producer"},
     "serve": {"monitor", "producer"},
-    "worker": {"engine", "kernels", "producer"},
+    "worker": {"engine", "producer"},
     "monitor": {"producer"},
     "engine": {"kernels"},
     "kernels": set(),
