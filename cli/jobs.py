@@ -10,7 +10,8 @@ import click
 
 from cli import errors
 from cli.errors import CliError
-from cli.options import queue_options
+from cli.options import default_of, queue_options
+from producer.protocol import JobRequest
 
 
 @click.command()
@@ -18,8 +19,9 @@ from cli.options import queue_options
 @click.argument("prompt")
 @click.option("--chat", is_flag=True, help="Send PROMPT as a user message (the model's chat template)")
 @click.option("--stream", is_flag=True, help="Print tokens as they come")
-@click.option("--max-tokens", type=int, default=256, help="Most tokens to generate")
-@click.option("--temperature", type=float, default=1.0, help="Sampling temperature; 0 is greedy")
+@click.option("--max-tokens", type=int, default=default_of(JobRequest, "max_tokens"), help="Most tokens to generate")
+@click.option("--temperature", type=float, default=default_of(JobRequest, "temperature"),
+              help="Sampling temperature; 0 is greedy")
 @click.option("--model", default=None, help="Model the job asks for; default: whatever the workers serve")
 @click.option("--id", "job_id", default=None, help="Idempotency key; default: a new uuid")
 @click.option("--no-wait", is_flag=True, help="Print the job id and return")

@@ -81,8 +81,7 @@ def worker(log_level: str, **options: Any) -> None:
     from producer.connection import redact
     from worker.worker import Worker
 
-    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    engine = LLMEngine(EngineConfig(**{name: options.pop(name) for name in list(options) if name in engine_fields}))
+    engine = LLMEngine(engine_config(options))
     cfg = worker_config(options, engine.model_name)
     try:
         w = Worker(engine, cfg)
@@ -93,8 +92,14 @@ def worker(log_level: str, **options: Any) -> None:
         raise click.ClickException(f"redis at {redact(cfg.redis_url)} refused this worker: {e}") from None
 
 
+def engine_config(options: dict[str, Any]) -> EngineConfig:
+    """The EngineConfig of the command's options named as its fields, which it takes out of `options`."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{name: options.pop(name) for name in list(options) if name in fields})
+
+
 def worker_config(options: dict[str, Any], model: str) -> WorkerConfig:
-    """The WorkerConfig of the command's options that the engine did not take; `model`: the engine's."""
+    """The WorkerConfig of the command's other options; `model`: the engine's."""
     limits = Limits(**{field: options.pop(option) for option, field in LIMIT_OPTIONS.items()})
     served = tuple(options.pop("served_model_name")) or (model,)
     worker_id = options.pop("worker_id")
