@@ -18,21 +18,8 @@ from pathlib import Path
 from engine.outputs import RequestOutput
 from worker.job import RunningJob
 from worker.metrics import Metrics
-from worker.publisher.messages import (
-    BEGIN,
-    END,
-    FAIL,
-    FORGET,
-    METRIC,
-    NOTICE,
-    RELEASE,
-    SETTLED,
-    SETUP,
-    STEP,
-    STOP,
-    Setup,
-    job_to_wire,
-)
+from worker.publisher import messages
+from worker.publisher.messages import Setup, job_to_wire
 from worker.publisher.writer import RELAYED
 
 log = logging.getLogger("pagedq.worker")
@@ -40,7 +27,7 @@ log = logging.getLogger("pagedq.worker")
 ROOT = Path(__file__).resolve().parents[2]
 DIED = "died"  # the notice the worker's loop gets when the publisher process is gone
 PIPE_BYTES = 1 << 20
-_STOP_PREFIX = f'["{STOP}",'
+_STOP_PREFIX = f'["{messages.STOP}",'
 
 
 class Publisher:
@@ -67,7 +54,7 @@ class Publisher:
         os.close(up_w)
         with contextlib.suppress(OSError, AttributeError):  # a roomier pipe rides out a slow moment of the process
             fcntl.fcntl(down_w, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
-        self._send((SETUP, self.setup.to_wire()))
+        self._send((messages.SETUP, self.setup.to_wire()))
         self.writer = threading.Thread(target=self._write, args=(Connection(down_w, readable=False),),
                                        name="pagedq-publisher-feed", daemon=True)
         self.reader = threading.Thread(target=self._read, args=(Connection(up_r, writable=False),),
@@ -81,7 +68,7 @@ class Publisher:
         """A job entered the engine: its outputs follow. prompt_ids: its prompt, for the decoder's context."""
         from engine.detokenizer import CONTEXT_TOKENS
 
-        self._send((BEGIN, job_to_wire(job), list(prompt_ids[-CONTEXT_TOKENS:])))
+        self._send((messages.BEGIN, job_to_wire(job), list(prompt_ids[-CONTEXT_TOKENS:])))
 
     def step(self, outputs: list[RequestOutput], now: float) -> None:
         """One engine step's outputs of the jobs the worker holds, by column (messages.StepOutput)."""
@@ -98,25 +85,25 @@ class Publisher:
                                out.logprobs and [(lp, list(top.items())) for lp, top in out.logprobs]))
         if ends:
             self._add_acks(ends)
-        self._send((STEP, now, ids, tokens, cached, extras))
+        self._send((messages.STEP, now, ids, tokens, cached, extras))
 
     # end, fail and release: as RedisWriter's calls of the same names, for a job the engine no longer runs.
 
     def end(self, job: RunningJob, status: str, finish_reason: str) -> None:
         self._add_acks(1)
-        self._send((END, job_to_wire(job), status, finish_reason))
+        self._send((messages.END, job_to_wire(job), status, finish_reason))
 
     def fail(self, job: RunningJob, type: str, message: str) -> None:
         self._add_acks(1)
-        self._send((FAIL, job_to_wire(job), type, message))
+        self._send((messages.FAIL, job_to_wire(job), type, message))
 
     def release(self, job: RunningJob, mode: str, type: str = "", message: str = "") -> None:
         self._add_acks(1)
-        self._send((RELEASE, job_to_wire(job), mode, type, message))
+        self._send((messages.RELEASE, job_to_wire(job), mode, type, message))
 
     def forget(self, job: RunningJob) -> None:
         """A job left the engine without a result from this worker (its lease was lost)."""
-        self._send((FORGET, job.id, job.lease))
+        self._send((messages.FORGET, job.id, job.lease))
 
     def wait_acks(self, below: int, timeout: float) -> None:
         with self.cond:
@@ -125,7 +112,7 @@ class Publisher:
     def close(self, timeout: float = 30.0) -> None:
         """Write what is handed over, then stop; Redis errors are retried until `timeout` runs out."""
         self.closing = True
-        self._send((STOP, timeout))
+        self._send((messages.STOP, timeout))
         if self.proc is None:
             return
         self.writer.join(5)
@@ -171,14 +158,14 @@ class Publisher:
         try:
             while True:
                 msg = json.loads(up.recv_bytes())
-                if msg[0] == SETTLED:
+                if msg[0] == messages.SETTLED:
                     with self.cond:
                         self.pending_acks -= msg[1]
                         self.metrics.pending_acks.set(self.pending_acks)
                         self.cond.notify_all()
-                elif msg[0] == NOTICE:
+                elif msg[0] == messages.NOTICE:
                     self.notices.put(msg[1:])
-                elif msg[0] == METRIC and msg[1] in RELAYED:
+                elif msg[0] == messages.METRIC and msg[1] in RELAYED:
                     getattr(self.metrics, msg[1])(*msg[2:])
         except (EOFError, OSError):
             pass

@@ -16,22 +16,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from producer.keys import Keys
+from worker.publisher import messages
 from worker.publisher.job_view import JobView
-from worker.publisher.messages import (
-    BEGIN,
-    END,
-    FAIL,
-    FORGET,
-    METRIC,
-    NOTICE,
-    RELEASE,
-    SETTLED,
-    STEP,
-    STOP,
-    Setup,
-    StepOutput,
-    job_from_wire,
-)
+from worker.publisher.messages import Setup, StepOutput, job_from_wire
 from worker.publisher.writer import RedisWriter
 
 log = logging.getLogger("pagedq.worker")
@@ -66,7 +53,7 @@ class _Up:
             pass
 
     def put(self, notice: tuple[str, str, str]) -> None:  # the writer's notices
-        self(NOTICE, *notice)
+        self(messages.NOTICE, *notice)
 
 
 class RelayedMetrics:
@@ -76,16 +63,16 @@ class RelayedMetrics:
         self.up = up
 
     def publish_round_trip(self, seconds: float) -> None:
-        self.up(METRIC, "publish_round_trip", seconds)
+        self.up(messages.METRIC, "publish_round_trip", seconds)
 
     def lease_lost(self) -> None:
-        self.up(METRIC, "lease_lost")
+        self.up(messages.METRIC, "lease_lost")
 
     def job_done(self, status: str) -> None:
-        self.up(METRIC, "job_done", status)
+        self.up(messages.METRIC, "job_done", status)
 
     def dead_letter(self) -> None:
-        self.up(METRIC, "dead_letter")
+        self.up(messages.METRIC, "dead_letter")
 
 
 def serve(down: Connection, up: _Up) -> None:
@@ -98,7 +85,7 @@ def serve(down: Connection, up: _Up) -> None:
 
     def settled(n: int) -> None:
         if n:
-            up(SETTLED, n)
+            up(messages.SETTLED, n)
 
     writer = RedisWriter(_connect(setup), Keys(setup.queue), setup.settings, setup.model, RelayedMetrics(up), up,
                          settled)
@@ -111,7 +98,7 @@ def serve(down: Connection, up: _Up) -> None:
             writer.close(PARENT_GONE_TIMEOUT_S)
             return
         for msg in batch:
-            if msg[0] == STOP:
+            if msg[0] == messages.STOP:
                 writer.close(msg[1])
                 return
             try:
@@ -138,19 +125,19 @@ def _connect(setup: Setup):
 
 def _handle(msg: list, writer: RedisWriter, views: dict[str, JobView], tokenizer) -> None:
     op = msg[0]
-    if op == STEP:
+    if op == messages.STEP:
         writer.step(_step_outputs(msg, views, writer), msg[1])
-    elif op == BEGIN:
+    elif op == messages.BEGIN:
         job = job_from_wire(msg[1])
         views[job.id] = JobView.begin(job, tokenizer, msg[2])
-    elif op == FORGET:
+    elif op == messages.FORGET:
         if msg[1] in views and views[msg[1]].job.lease == msg[2]:
             del views[msg[1]]
-    elif op == END:
+    elif op == messages.END:
         writer.end(_held(views, msg[1]), msg[2], msg[3])
-    elif op == FAIL:
+    elif op == messages.FAIL:
         writer.fail(_held(views, msg[1]), msg[2], msg[3])
-    elif op == RELEASE:
+    elif op == messages.RELEASE:
         writer.release(_held(views, msg[1]), msg[2], msg[3], msg[4])
 
 
