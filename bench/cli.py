@@ -1,5 +1,5 @@
-"""The `pagedq bench` (also `python -m bench`) and `pagedq gpu-check` commands. Imports only click until they
-run."""
+"""The `pagedq bench` (also `python -m bench`) and `pagedq gpu-check` commands. Nothing heavier than click and
+the option tables loads until a command runs."""
 
 from __future__ import annotations
 
@@ -100,6 +100,7 @@ def bench(model, device, dtype, workloads, systems, quick, num_requests, hf_sing
 
 
 def _gpu_check_options(f):
+    # From gpu_check's own table: `python -m bench.gpu_check` makes its argparse options from the same one.
     for flag, default, help in reversed(gpu_check.OPTIONS):
         f = click.option(flag, default=default, help=help)(f)
     return f
