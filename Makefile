@@ -25,7 +25,7 @@ setup: $(if $(filter .venv/bin/python,$(PY)),.venv/bin/python)
 		exit 1; }
 
 demo: setup
-	$(PY) -m worker.cli demo
+	$(PY) -m cli demo
 
 test:
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
@@ -34,4 +34,4 @@ lint:
 	$(PY) -m ruff check .
 
 bench: setup
-	$(PY) -m worker.cli bench
+	$(PY) -m cli bench

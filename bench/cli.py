@@ -1,12 +1,16 @@
-"""The `pagedq bench` command (also `python -m bench`). Imports only click until it runs."""
+"""The `pagedq bench` (also `python -m bench`) and `pagedq gpu-check` commands. Nothing heavier than click and
+the option tables loads until a command runs."""
 
 from __future__ import annotations
 
 import signal
+import sys
 
 import click
 
+from bench import gpu_check
 from bench.workloads import NAMES
+from engine.config import DEFAULT_MODEL
 
 WORKLOADS = (*NAMES, "overhead")
 SYSTEMS = ("pagedq", "pagedq-redis", "hf-generate", "hf-static", "hf-cb", "pagedq-serve", "vllm")
@@ -45,7 +49,7 @@ def _requests(ctx, param, value: tuple[str, ...]) -> dict[str, int]:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option("--model", default="smollm2-135m-instruct", help="Alias, local HF folder, .gguf file or hub id")
+@click.option("--model", default=DEFAULT_MODEL, help="Alias, local HF folder, .gguf file or hub id")
 @click.option("--device", default=None, help="cpu or cuda[:N]; default: cuda when there is one")
 @click.option("--dtype", default=None,
               help="float32 | bfloat16 | float16 | auto; default: float32 on cpu, bfloat16 on cuda")
@@ -94,3 +98,17 @@ def bench(model, device, dtype, workloads, systems, quick, num_requests, hf_sing
         raise click.ClickException(str(e)) from None
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def _gpu_check_options(f):
+    # From gpu_check's own table: `python -m bench.gpu_check` makes its argparse options from the same one.
+    for flag, default, help in reversed(gpu_check.OPTIONS):
+        f = click.option(flag, default=default, help=help)(f)
+    return f
+
+
+@click.command("gpu-check")
+@_gpu_check_options
+def gpu_check_command(out, device, sections, model) -> None:
+    """On a GPU: kernel correctness, attention bandwidth, CUDA graphs vs eager, end to end vs transformers."""
+    sys.exit(gpu_check.run(out, device, sections.split(","), model, echo=click.echo))

@@ -53,8 +53,7 @@ def _params():
 
 
 def _all_decoding(engine, n: int) -> bool:
-    running = engine.scheduler.running
-    return len(running) == n and all(s.num_computed_tokens == s.num_tokens - 1 for s in running)
+    return engine.request_counts()[0] == n and engine.num_decoding() == n
 
 
 def measure_direct(engine, n: int, steps: int = STEPS) -> dict:
@@ -78,8 +77,9 @@ def measure_worker(engine, n: int, steps: int = STEPS) -> dict:
     """The same steady state through a Worker on a real redis-server: jobs submitted with the client, the
     worker's loop in a thread of this process (so its engine's phase times can be read)."""
     from producer import Client
+    from worker.config import WorkerConfig
     from worker.redis_server import RedisServer
-    from worker.worker import Worker, WorkerConfig
+    from worker.worker import Worker
 
     with RedisServer() as srv:
         w = Worker(engine, WorkerConfig(redis_url=srv.url, queue="overhead", drain_timeout=0))

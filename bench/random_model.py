@@ -8,6 +8,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from engine.config import DEFAULT_MODEL
 from engine.loader import resolve_model
 
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -24,7 +25,7 @@ def make_tiny_model(path: str, arch: str = "llama", seed: int = 0, tie: bool | N
     target = Path(path)
     if (target / "config.json").exists():
         return str(target)
-    tok_dir = resolve_model("smollm2-135m-instruct")
+    tok_dir = resolve_model(DEFAULT_MODEL)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     extra: dict = {"llama": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 256}},

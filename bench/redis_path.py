@@ -51,7 +51,7 @@ class RedisPath:
             raise Unavailable(f"no redis-server: {e}") from None
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        cmd = [sys.executable, "-m", "worker.cli", "worker", "--redis-url", self.server.url, "--queue", QUEUE,
+        cmd = [sys.executable, "-m", "cli", "worker", "--redis-url", self.server.url, "--queue", QUEUE,
                *self.args, "--log-level", "WARNING"]
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)

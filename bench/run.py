@@ -15,6 +15,7 @@ from bench import mfu, report
 from bench import workloads as wls
 from bench.result import Run
 from bench.systems import ALL, DEFAULT, ENGINE, HF_CB, HF_SINGLE, HF_STATIC, LABELS, REDIS, SERVE, VLLM
+from engine.config import DEFAULT_MODEL
 
 # Online arrivals run at this fraction of the capacity measured on a closed batch of the same shape:
 # near capacity, where queueing shows in TTFT, yet below it, so the queue does not grow without bound.
@@ -43,7 +44,7 @@ SINGLE_STREAM_TARGET = ("single: TPOT / weight-read time", "single", ENGINE, 1.3
 
 
 def run_bench(
-    model: str = "smollm2-135m-instruct",
+    model: str = DEFAULT_MODEL,
     device: str | None = None,
     workloads: Iterable[str] = wls.NAMES,
     systems: Iterable[str] = DEFAULT,

@@ -39,7 +39,7 @@ class ServePath:
 
         port = free_port()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        cmd = [sys.executable, "-m", "worker.cli", "serve", "--redis-url", self.redis.server.url, "--queue", QUEUE,
+        cmd = [sys.executable, "-m", "cli", "serve", "--redis-url", self.redis.server.url, "--queue", QUEUE,
                "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)

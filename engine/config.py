@@ -77,3 +77,6 @@ def cpu_has_bf16() -> bool:
 
     probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")  # private, hence probed, not assumed
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
+DEFAULT_MODEL = EngineConfig.model  # what every command and benchmark runs unless told otherwise

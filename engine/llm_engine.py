@@ -186,6 +186,21 @@ class LLMEngine:
     def num_total_blocks(self) -> int:
         return self.block_manager.num_blocks
 
+    def request_counts(self) -> tuple[int, int]:
+        """(running, waiting) requests, read without touching the scheduler's state: safe from another thread (a
+        worker's heartbeat). Running may still count requests that finished in the latest step."""
+        return len(self.scheduler.running), len(self.scheduler.waiting)
+
+    def num_decoding(self) -> int:
+        """Running requests whose prompt is done, each step computing one token of theirs; a plain read, as
+        request_counts."""
+        return sum(1 for s in self.scheduler.running if s.num_computed_tokens == s.num_tokens - 1)
+
+    def record_phase(self, phase: str) -> None:
+        """Charge the host time since the latest phase of step() to `phase` (engine.stats.PHASES): a caller's own
+        work per step, such as a worker's hand-off of the outputs to its publisher, counted beside the engine's."""
+        self.times.lap(phase)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         if not messages:
             raise ValueError("messages is empty: give at least one message")

@@ -224,3 +224,19 @@ def release(keys: Keys, d: Delivery, s: WorkerSettings, mode: str, error_type: s
     return Call("release", [keys.job(j), keys.jobs, keys.events(j), keys.result(j), keys.dlq],
                 [GROUP, d.entry, d.lease, mode, error_type, message, s.max_attempts, s.ttl, s.dlq_cap,
                  s.worker_id], _released, j)
+
+
+def remove_consumer(keys: Keys, worker_id: str, min_idle_ms: int) -> Call[bool]:
+    """Delete the consumer of a worker that is gone: only if it holds no pending entry, was idle `min_idle_ms`
+    and has no heartbeat record. Reply: True when it was deleted."""
+    return Call("remove_consumer", [keys.jobs, keys.worker(worker_id)], [GROUP, worker_id, min_idle_ms], _done_now)
+
+
+# ---- the Batch API's store ----------------------------------------------------------------------------------
+
+def set_if(key: str, field: str, allowed: Sequence[str], values: dict[str, Any]) -> Call[bool]:
+    """Set `values` in hash `key` only while its `field` holds one of `allowed`. Reply: True when they were set."""
+    args: list[Any] = [field, len(allowed), *allowed]
+    for name, value in values.items():
+        args += (name, value)
+    return Call("set_if", [key], args, _done_now)

@@ -7,7 +7,9 @@ import hashlib
 from functools import cache
 from importlib import resources
 
-NAMES = ("submit", "start", "publish", "complete", "fail", "cancel", "renew", "release", "retry")
+# A job's life (the JavaScript client runs the same files), then the group's upkeep and the Batch API's store.
+NAMES = ("submit", "start", "publish", "complete", "fail", "cancel", "renew", "release", "retry", "remove_consumer",
+         "set_if")
 
 
 @cache

@@ -11,11 +11,10 @@ from pathlib import Path
 from producer.connection import connect
 from producer.flows import drive
 from serve import batches, files
+from serve.batch_store import FINAL
 from serve.config import ServeConfig
 from serve.errors import APIError
 from serve.translate import CHAT, ENDPOINTS
-
-FINAL = batches.FINAL
 
 
 class BatchError(Exception):

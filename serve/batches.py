@@ -4,8 +4,9 @@ number of `serve` processes and the `pagedq batch` CLI share them, and any of th
 A batch is a hash of its fields, a hash of its items (one per input line), a set of the lines whose jobs are
 still open and one set per outcome. Creating one stores all of that before submitting a single job, and the
 jobs' ids are fixed by the batch id and line number; so a process that finds a batch stuck in `validating`
-(its creator died) submits its jobs again and no job runs twice. What happens later is in serve.progress.
-Sans-IO flows (producer.flows): the asyncio server and the sync CLI run the same code.
+(its creator died) submits its jobs again and no job runs twice. Reading a batch back and changing its status
+are serve.batch_store's; what happens after creation is in serve.progress. Sans-IO flows (producer.flows): the
+asyncio server and the sync CLI run the same code.
 """
 
 from __future__ import annotations
@@ -14,41 +15,16 @@ import json
 import time
 import uuid
 
-from producer import calls, defaults, flows
 from producer.flows import Cmd, Flow, Pipe
-from producer.keys import BatchKeys, Keys
-from serve import files
-from serve.batch_lines import Item, read_items
+from producer.keys import BatchKeys
+from serve import batch_store, files, progress
+from serve.batch_lines import read_items
+from serve.batch_store import CANCELLING, FAILED, IN_PROGRESS, VALIDATING, WRITE_CHUNK
 from serve.config import ServeConfig
 from serve.errors import APIError, bad_request, not_found
 from serve.translate import ENDPOINTS, endpoint_kind
 
 WINDOWS = {"24h": 24 * 3600}
-CHUNK = 500  # jobs submitted (or items written) per round trip
-SUBMIT_LEASE_MS = 60_000  # a creator silent this long is presumed dead; another process resubmits
-FINAL = ("completed", "failed", "expired", "cancelled")
-TIMES = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
-         "cancelled_at")
-
-# Set a batch's status (and more fields) only if it is one of the given states: two processes that advance one
-# batch at once cannot move it backwards (a slow one writing "in_progress" over "cancelling", say). One key:
-# legal on a cluster.
-SET_IF = """
-local n = tonumber(ARGV[1])
-local cur = redis.call('HGET', KEYS[1], 'status')
-local ok = false
-for i = 2, n + 1 do if ARGV[i] == cur then ok = true end end
-if not ok then return 0 end
-for i = n + 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-return 1
-"""
-
-
-def set_if(batch_id: str, states: tuple[str, ...], **fields: object) -> Cmd:
-    args: list = [len(states), *states]
-    for k, v in fields.items():
-        args += [k, v]
-    return Cmd("eval", (SET_IF, 1, BatchKeys.batch(batch_id), *args))
 
 
 def new_id() -> str:
@@ -79,19 +55,19 @@ def create(config: ServeConfig, input_file_id: str, endpoint: str, completion_wi
     fields = {"id": batch_id, "endpoint": endpoint, "input_file_id": input_file_id,
               "completion_window": completion_window, "created_at": now, "expires_at": now + window,
               "metadata": json.dumps(metadata or {}), "total": len(items),
-              "line_errors": sum(it.request is None for it in items), "status": "validating", "ttl": config.store_ttl_s}
+              "line_errors": sum(it.request is None for it in items), "status": VALIDATING, "ttl": config.store_ttl_s}
     if not items:
-        fields.update(status="failed", failed_at=now,
+        fields.update(status=FAILED, failed_at=now,
                       errors=json.dumps([{"code": "empty_file", "message": "the input file holds no request"}]))
     ttl = config.store_ttl_s
     key = BatchKeys.batch(batch_id)
-    ops = [Cmd("set", (BatchKeys.submitting(batch_id), "creator"), {"px": SUBMIT_LEASE_MS})]
-    for s in range(0, len(items), CHUNK):
+    ops = [Cmd("set", (BatchKeys.submitting(batch_id), "creator"), {"px": batch_store.SUBMIT_LEASE_MS})]
+    for s in range(0, len(items), WRITE_CHUNK):
         ops.append(Cmd("hset", (BatchKeys.items(batch_id),),
-                       {"mapping": {str(i): it.to_json() for i, it in enumerate(items[s:s + CHUNK], s)}}))
+                       {"mapping": {str(i): it.to_json() for i, it in enumerate(items[s:s + WRITE_CHUNK], s)}}))
     jobs = [str(i) for i, it in enumerate(items) if it.request is not None]
-    for s in range(0, len(jobs), CHUNK):
-        ops.append(Cmd("sadd", (BatchKeys.open(batch_id), *jobs[s:s + CHUNK])))
+    for s in range(0, len(jobs), WRITE_CHUNK):
+        ops.append(Cmd("sadd", (BatchKeys.open(batch_id), *jobs[s:s + WRITE_CHUNK])))
     # The batch hash last: a batch that can be read has all its items.
     ops += [Cmd("hset", (key,), {"mapping": fields}),
             *(Cmd("expire", (k, ttl)) for k in (key, BatchKeys.items(batch_id), BatchKeys.open(batch_id))),
@@ -101,64 +77,24 @@ def create(config: ServeConfig, input_file_id: str, endpoint: str, completion_wi
         ops.append(Cmd("sadd", (BatchKeys.active, batch_id)))
     _raise_first((yield Pipe(ops)))
     if items:
-        yield from submit(batch_id, items)
+        yield from progress.submit_jobs(batch_id, items)
     return (yield from get(batch_id))
-
-
-def submit(batch_id: str, items: list[Item]) -> Flow:
-    """Submit every job of the batch (again: a job that exists already is left as it is), then move it on to
-    in_progress; if it was cancelled meanwhile, cancel what was just submitted."""
-    reqs = [(it.queue, it.request) for it in items if it.request is not None]
-    for s in range(0, len(reqs), CHUNK):
-        outs = yield from flows.run_calls([calls.submit(Keys(q), r) for q, r in reqs[s:s + CHUNK]])
-        for o in outs:
-            if isinstance(o, Exception) and not isinstance(o, calls.DuplicateJobError):
-                raise o
-    moved = yield set_if(batch_id, ("validating",), status="in_progress", in_progress_at=int(time.time()))
-    yield Cmd("delete", (BatchKeys.submitting(batch_id),))
-    if not moved and (yield Cmd("hget", (BatchKeys.batch(batch_id), "status"))) == "cancelling":
-        yield from cancel_open(batch_id)
-
-
-def load_items(batch_id: str, indices: list[str] | None = None) -> Flow:
-    """{line number: Item} for `indices` (None: all)."""
-    if indices is None:
-        raw = yield Cmd("hgetall", (BatchKeys.items(batch_id),))
-        return {int(k): Item.from_json(v) for k, v in raw.items()}
-    if not indices:
-        return {}
-    raw = yield Cmd("hmget", (BatchKeys.items(batch_id), indices))
-    return {int(k): Item.from_json(v) for k, v in zip(indices, raw) if v}
-
-
-def cancel_open(batch_id: str) -> Flow:
-    """Cancel the jobs of the batch that have not ended (queued ones at once, running ones within a step)."""
-    open_ = sorted((yield Cmd("smembers", (BatchKeys.open(batch_id),))), key=int)
-    items = yield from load_items(batch_id, open_)
-    todo = [(Keys(it.queue), it.request.id) for it in items.values() if it.request is not None]
-    for s in range(0, len(todo), CHUNK):
-        # Outcomes, not raised: a job that ended meanwhile, or whose keys expired, is nothing to cancel.
-        yield from flows.run_calls([calls.cancel(k, j, defaults.RESULT_TTL_S) for k, j in todo[s:s + CHUNK]])
 
 
 def cancel(batch_id: str) -> Flow:
     """POST /v1/batches/{id}/cancel: the batch goes to cancelling, then cancelled once its jobs ended."""
-    from serve.progress import advance
-
     if not (yield Cmd("exists", (BatchKeys.batch(_checked(batch_id, "batch_id")),))):
         raise not_found(f"No batch with id {batch_id!r}")
-    moved = yield set_if(batch_id, ("validating", "in_progress"), status="cancelling",
-                         cancelling_at=int(time.time()))
+    moved = yield from batch_store.set_status_if(batch_id, (VALIDATING, IN_PROGRESS), status=CANCELLING,
+                                                 cancelling_at=int(time.time()))
     if moved:
-        yield from cancel_open(batch_id)
-    return (yield from advance(batch_id))
+        yield from progress.cancel_open(batch_id)
+    return (yield from progress.advance(batch_id))
 
 
 def get(batch_id: str) -> Flow:
     """The batch object, advanced first (serve.progress): its counts and status are those of its jobs now."""
-    from serve.progress import advance
-
-    out = yield from advance(_checked(batch_id, "batch_id"))
+    out = yield from progress.advance(_checked(batch_id, "batch_id"))
     if out is None:
         raise not_found(f"No batch with id {batch_id!r}")
     return out
@@ -175,37 +111,11 @@ def listing(limit: int = 20, after: str | None = None) -> Flow:
     ids = ids[:limit]
     rendered = []
     for i in ids:
-        b = yield from read(i)
+        b = yield from batch_store.read(i)
         if b is not None:
             rendered.append(b)
     return {"object": "list", "data": rendered, "first_id": rendered[0]["id"] if rendered else None,
             "last_id": rendered[-1]["id"] if rendered else None, "has_more": more}
-
-
-def read(batch_id: str) -> Flow:
-    """The batch object as stored, with its live counts; None if there is no such batch."""
-    h, done, failed = yield Pipe([Cmd("hgetall", (BatchKeys.batch(batch_id),)),
-                                  Cmd("scard", (BatchKeys.ended(batch_id, "completed"),)),
-                                  Cmd("scard", (BatchKeys.ended(batch_id, "failed"),))])
-    if not h:
-        return None
-    return render(h, done, failed)
-
-
-def render(h: dict, completed: int, failed: int) -> dict:
-    out = {"id": h["id"], "object": "batch", "endpoint": h["endpoint"], "input_file_id": h["input_file_id"],
-           "completion_window": h["completion_window"], "status": h["status"],
-           "output_file_id": h.get("output_file_id") or None, "error_file_id": h.get("error_file_id") or None,
-           "created_at": int(h["created_at"]), "expires_at": int(h["expires_at"]),
-           "errors": {"object": "list", "data": json.loads(h["errors"])} if h.get("errors") else None,
-           "request_counts": {"total": int(h["total"]), "completed": completed,
-                              "failed": failed + int(h["line_errors"])},
-           "metadata": json.loads(h.get("metadata") or "{}")}
-    for t in TIMES:
-        out[t] = int(h[t]) if h.get(t) else None
-    if out["status"] == "in_progress" and out["finalizing_at"]:
-        out["status"] = "finalizing"  # its output files are being written
-    return out
 
 
 def _checked(value: str, param: str) -> str:

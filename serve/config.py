@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field
 from producer import defaults
 
 ENV = "PAGEDQ_SERVE_CONFIG"
+STORE_TTL_S = 7 * 24 * 3600  # files and batches live this long
 
 
 class ServeConfig(BaseModel):
@@ -23,7 +24,7 @@ class ServeConfig(BaseModel):
     retry_after_s: int = 1
     default_max_tokens: int | None = None  # None: JobRequest's default
     max_file_bytes: int = 100 * 2**20
-    store_ttl_s: int = 7 * 24 * 3600  # files and batches live this long
+    store_ttl_s: int = STORE_TTL_S
     batch_priority: int = 10  # batch jobs run after interactive ones (lower runs first)
     sweep_interval_s: float = 1.0  # how often each process advances unfinished batches
 

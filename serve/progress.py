@@ -1,29 +1,41 @@
-"""Advancing a batch: nothing in pagedq waits on a batch, so whoever looks at one moves it on. A read of the
+"""Moving a batch on: nothing in pagedq waits on a batch, so whoever looks at one moves it on. A read of the
 batch (HTTP or CLI), `pagedq batch wait`, and each serve process's sweeper (every second, over the set of
 unfinished batches) all run `advance`, which is idempotent and safe to run in many processes at once:
 
-- validating, its creator gone (its submit lease lapsed): submit its jobs again (same ids: no job twice);
+- validating: its creator submits its jobs (submit_jobs), then moves it to in_progress; if the creator is gone
+  (its submit lease lapsed), whoever advances the batch submits them again (same ids: no job twice);
 - in_progress / cancelling: read the states of its open jobs; each ended one moves from the open set to its
   outcome's set (SADD/SREM: recording a job twice counts it once); past the completion window, cancel the rest;
 - no open job left: write the output and error files under ids fixed by the batch id (two finalizers write the
-  same bytes), then set the final status, only from a non-final one (serve.batches.SET_IF).
+  same bytes), then set the final status, only from a non-final one (producer/scripts/set_if.lua).
 """
 
 from __future__ import annotations
 
 import time
 
-from producer import wire
+from producer import calls, defaults, flows, wire
 from producer.flows import Cmd, Flow, Pipe
 from producer.keys import BatchKeys, Keys
 from producer.protocol import JobResult
-from serve import batches, files
-from serve.batch_lines import output_line
+from serve import batch_store, files
+from serve.batch_lines import Item, output_line
+from serve.batch_store import (
+    CANCELLED,
+    CANCELLING,
+    COMPLETED,
+    EXPIRED,
+    FAILED,
+    IN_PROGRESS,
+    VALIDATING,
+    WRITE_CHUNK,
+)
+from serve.config import STORE_TTL_S
 from serve.translate import endpoint_kind
 
-CHUNK = 1000
-_OUTCOME = {wire.COMPLETED: "completed", wire.FAILED: "failed", wire.EXPIRED: "failed",
-            wire.CANCELLED: "cancelled"}
+READ_CHUNK = 1000  # jobs whose state (or result) is read per round trip
+# A job's final state -> its line's outcome: the set of line numbers (BatchKeys.ended) it joins.
+_OUTCOME = {wire.COMPLETED: COMPLETED, wire.FAILED: FAILED, wire.EXPIRED: FAILED, wire.CANCELLED: CANCELLED}
 
 
 def advance(batch_id: str) -> Flow:
@@ -32,28 +44,54 @@ def advance(batch_id: str) -> Flow:
     if not h:
         return None
     status = h["status"]
-    if status == "validating":
+    if status == VALIDATING:
         yield from _resume(batch_id)
-    elif status in ("in_progress", "cancelling"):
-        late = status == "in_progress" and time.time() > int(h["expires_at"])
-        if late and (yield batches.set_if(batch_id, ("in_progress",), status="cancelling", expiring=1,
-                                          cancelling_at=int(time.time()))):
-            yield from batches.cancel_open(batch_id)
+    elif status in (IN_PROGRESS, CANCELLING):
+        late = status == IN_PROGRESS and time.time() > int(h["expires_at"])
+        if late and (yield from batch_store.set_status_if(batch_id, (IN_PROGRESS,), status=CANCELLING, expiring=1,
+                                                          cancelling_at=int(time.time()))):
+            yield from cancel_open(batch_id)
         if not (yield from _record(batch_id)):
             yield from _finalize(batch_id)
     else:
         yield Cmd("srem", (BatchKeys.active, batch_id))
-    return (yield from batches.read(batch_id))
+    return (yield from batch_store.read(batch_id))
+
+
+def submit_jobs(batch_id: str, items: list[Item]) -> Flow:
+    """Submit every job of the batch (again: a job that exists already is left as it is), then move it on to
+    in_progress; if it was cancelled meanwhile, cancel what was just submitted."""
+    reqs = [(it.queue, it.request) for it in items if it.request is not None]
+    for s in range(0, len(reqs), WRITE_CHUNK):
+        outs = yield from flows.run_calls([calls.submit(Keys(q), r) for q, r in reqs[s:s + WRITE_CHUNK]])
+        for o in outs:
+            if isinstance(o, Exception) and not isinstance(o, calls.DuplicateJobError):
+                raise o
+    moved = yield from batch_store.set_status_if(batch_id, (VALIDATING,), status=IN_PROGRESS,
+                                                 in_progress_at=int(time.time()))
+    yield Cmd("delete", (BatchKeys.submitting(batch_id),))
+    if not moved and (yield Cmd("hget", (BatchKeys.batch(batch_id), "status"))) == CANCELLING:
+        yield from cancel_open(batch_id)
+
+
+def cancel_open(batch_id: str) -> Flow:
+    """Cancel the jobs of the batch that have not ended (queued ones at once, running ones within a step)."""
+    open_ = sorted((yield Cmd("smembers", (BatchKeys.open(batch_id),))), key=int)
+    items = yield from batch_store.load_items(batch_id, open_)
+    todo = [(Keys(it.queue), it.request.id) for it in items.values() if it.request is not None]
+    for s in range(0, len(todo), WRITE_CHUNK):
+        # Outcomes, not raised: a job that ended meanwhile, or whose keys expired, is nothing to cancel.
+        yield from flows.run_calls([calls.cancel(k, j, defaults.RESULT_TTL_S) for k, j in todo[s:s + WRITE_CHUNK]])
 
 
 def _resume(batch_id: str) -> Flow:
     """A batch still validating: its creator submits its jobs now, or died doing so. Take over only once its
     lease lapsed (SET NX), and submit again."""
     if not (yield Cmd("set", (BatchKeys.submitting(batch_id), "resumer"),
-                      {"nx": True, "px": batches.SUBMIT_LEASE_MS})):
+                      {"nx": True, "px": batch_store.SUBMIT_LEASE_MS})):
         return
-    items = yield from batches.load_items(batch_id)
-    yield from batches.submit(batch_id, [items[i] for i in sorted(items)])
+    items = yield from batch_store.load_items(batch_id)
+    yield from submit_jobs(batch_id, [items[i] for i in sorted(items)])
 
 
 def _state(reply_state: str | None, raw_result: str | None) -> str | None:
@@ -67,8 +105,8 @@ def _state(reply_state: str | None, raw_result: str | None) -> str | None:
 def _record(batch_id: str) -> Flow:
     """Move the open jobs that ended to their outcome's set; returns how many are still open."""
     open_ = sorted((yield Cmd("smembers", (BatchKeys.open(batch_id),))), key=int)
-    for s in range(0, len(open_), CHUNK):
-        items = yield from batches.load_items(batch_id, open_[s:s + CHUNK])
+    for s in range(0, len(open_), READ_CHUNK):
+        items = yield from batch_store.load_items(batch_id, open_[s:s + READ_CHUNK])
         jobs = [(i, Keys(it.queue), it.request.id) for i, it in items.items()]
         replies = yield Pipe([c for _, k, j in jobs for c in (Cmd("hget", (k.job(j), wire.F_STATE)),
                                                                Cmd("get", (k.result(j),)))])
@@ -76,7 +114,7 @@ def _record(batch_id: str) -> Flow:
         for n, (i, _, _) in enumerate(jobs):
             state = _state(replies[2 * n], replies[2 * n + 1])
             # No job and no result: its keys expired unseen (no process looked for longer than the result TTL).
-            outcome = _OUTCOME.get(state, "failed" if state is None else None)
+            outcome = _OUTCOME.get(state, FAILED if state is None else None)
             if outcome is not None:
                 ops += [Cmd("sadd", (BatchKeys.ended(batch_id, outcome), i)),
                         Cmd("srem", (BatchKeys.open(batch_id), i))]
@@ -87,15 +125,15 @@ def _record(batch_id: str) -> Flow:
 
 def _finalize(batch_id: str) -> Flow:
     h = yield Cmd("hgetall", (BatchKeys.batch(batch_id),))
-    if h.get("status") not in ("in_progress", "cancelling"):
+    if h.get("status") not in (IN_PROGRESS, CANCELLING):
         return
-    yield batches.set_if(batch_id, ("in_progress", "cancelling"), finalizing_at=int(time.time()))
+    yield from batch_store.set_status_if(batch_id, (IN_PROGRESS, CANCELLING), finalizing_at=int(time.time()))
     kind = endpoint_kind(h["endpoint"])
-    items = yield from batches.load_items(batch_id)
+    items = yield from batch_store.load_items(batch_id)
     order = sorted(items)
     results: dict[int, JobResult | None] = {}
-    for s in range(0, len(order), CHUNK):
-        part = [i for i in order[s:s + CHUNK] if items[i].request is not None]
+    for s in range(0, len(order), READ_CHUNK):
+        part = [i for i in order[s:s + READ_CHUNK] if items[i].request is not None]
         raws = (yield Pipe([Cmd("get", (Keys(items[i].queue).result(items[i].request.id),)) for i in part])) \
             if part else []
         for i, raw in zip(part, raws):
@@ -104,7 +142,7 @@ def _finalize(batch_id: str) -> Flow:
     for i in order:
         ok, line = output_line(items[i], f"{batch_id}-{i}", kind, results.get(i))
         (good if ok else bad).append(line)
-    ttl = int(h.get("ttl") or 0) or 7 * 24 * 3600
+    ttl = int(h.get("ttl") or 0) or STORE_TTL_S
     out_id = err_id = ""
     if good:
         out_id = f"file-{batch_id}-output"
@@ -113,14 +151,10 @@ def _finalize(batch_id: str) -> Flow:
         err_id = f"file-{batch_id}-errors"
         yield from files.put("\n".join(bad) + "\n", f"{batch_id}_errors.jsonl", "batch_output", ttl, err_id)
     now = int(time.time())
-    if h["status"] == "in_progress":
-        final = {"status": "completed", "completed_at": now}
-    elif h.get("expiring"):
-        final = {"status": "expired", "expired_at": now}
-    else:
-        final = {"status": "cancelled", "cancelled_at": now}
+    final = COMPLETED if h["status"] == IN_PROGRESS else EXPIRED if h.get("expiring") else CANCELLED
     # From the status read above only: a cancel that came meanwhile is finalized on the next advance.
-    if (yield batches.set_if(batch_id, (h["status"],), output_file_id=out_id, error_file_id=err_id, **final)):
+    if (yield from batch_store.set_status_if(batch_id, (h["status"],), output_file_id=out_id, error_file_id=err_id,
+                                             status=final, **{f"{final}_at": now})):
         yield Cmd("srem", (BatchKeys.active, batch_id))
 
 

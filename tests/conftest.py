@@ -70,7 +70,7 @@ def pq_tiny_model(tiny_model) -> str:
 
 @pytest.fixture
 def start_worker(redis_url, tmp_path):
-    """start_worker(queue, model, *flags) -> Popen of `python -m worker worker ...`; stopped after the test."""
+    """start_worker(queue, model, *flags) -> Popen of `python -m cli worker ...`; stopped after the test."""
     import subprocess
     import sys
     from pathlib import Path
@@ -83,7 +83,7 @@ def start_worker(redis_url, tmp_path):
               url: str | None = None):
         """hooks: faults to inject ({"poison": MARK, "crash": MARK}, see tests/worker_hooks.py)."""
         log = open(tmp_path / f"worker-{len(procs)}.log", "w+")  # noqa: SIM115 (closed at teardown)
-        launcher = [sys.executable, "-m", "worker", "worker"]
+        launcher = [sys.executable, "-m", "cli", "worker"]
         if hooks:
             launcher = [sys.executable, str(Path(__file__).parent / "worker_hooks.py"),
                         *(f"--{k}={v}" for k, v in hooks.items()), "--"]
@@ -178,7 +178,7 @@ def start_serve(redis_url, tmp_path):
     def start(queue: str, *flags: str, url: str | None = None) -> str:
         port = free_port()
         log = open(tmp_path / f"serve-{len(procs)}.log", "w+")  # noqa: SIM115 (closed at teardown)
-        cmd = [sys.executable, "-m", "worker", "serve", "--redis-url", url or redis_url, "--queue", queue,
+        cmd = [sys.executable, "-m", "cli", "serve", "--redis-url", url or redis_url, "--queue", queue,
                "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING", *flags]
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         p.log = log

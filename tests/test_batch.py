@@ -10,11 +10,11 @@ import pytest
 import redis
 from click.testing import CliRunner
 
+from cli import main
 from producer import Client, flows
 from producer.keys import BatchKeys
 from serve import batches, files
 from serve.config import ServeConfig
-from worker.cli import main
 
 WORKER_FLAGS = ("--max-num-seqs", "8", "--num-kv-blocks", "256", "--max-model-len", "512",
                 "--served-model-name", "tiny")
@@ -183,5 +183,5 @@ def test_batch_cli_needs_no_http_server_packages():
     import sys
 
     code = ("import sys; [sys.modules.__setitem__(m, None) for m in ('fastapi', 'starlette', 'uvicorn')]; "
-            "import producer, serve.batch_cli, worker.cli")
+            "import producer, serve.batch_cli, cli")
     subprocess.run([sys.executable, "-c", code], check=True)

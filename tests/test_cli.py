@@ -8,7 +8,7 @@ import sys
 import redis
 from click.testing import CliRunner
 
-from worker.cli import main
+from cli import main
 
 
 def run(redis_url, queue, *args, **kw):
@@ -82,7 +82,7 @@ def test_unreachable_redis_is_one_line_and_exit_code_3():
 def test_models_pull_without_torch_names_the_extra(tmp_path):
     # An empty model cache, so the pull must convert, which needs torch: the producer-only install lacks it.
     code = ("import sys; sys.modules['torch'] = None\n"
-            "from worker.cli import main; main(['models', 'pull', 'smollm2-135m-instruct'])")
+            "from cli import main; main(['models', 'pull', 'smollm2-135m-instruct'])")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PAGEDQ_CACHE": str(tmp_path)})
     assert res.returncode == 6, res.stdout + res.stderr
@@ -111,7 +111,7 @@ def test_every_option_has_help_and_shows_its_env_var():
 
 
 def test_redis_command():
-    p = subprocess.Popen([sys.executable, "-m", "worker", "redis"], stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-m", "cli", "redis"], stdout=subprocess.PIPE, text=True)
     try:
         url = p.stdout.readline().strip()
         assert url.startswith("redis://127.0.0.1:")
@@ -122,7 +122,7 @@ def test_redis_command():
 
 
 def test_demo_on_tiny_model(pq_tiny_model):
-    res = subprocess.run([sys.executable, "-m", "worker", "demo", "--model", pq_tiny_model, "--jobs", "3",
+    res = subprocess.run([sys.executable, "-m", "cli", "demo", "--model", pq_tiny_model, "--jobs", "3",
                           "--max-tokens", "4"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "3/3 completed" in res.stdout and "tokens/s" in res.stdout

@@ -12,9 +12,9 @@ from click.testing import CliRunner
 from faults import check_all, make_requests, started, streaming_on, wait_for
 from redis.cluster import RedisCluster
 
+from cli import main
 from producer import AsyncClient, Client
 from producer.connection import is_cluster
-from worker.cli import main
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from worker.cli import main
+from cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 

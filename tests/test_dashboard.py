@@ -65,7 +65,7 @@ def dashboard(redis_url, tmp_path):
     def start(queue: str) -> str:
         port = free_port()
         log = open(tmp_path / "dashboard.log", "w+")  # noqa: SIM115 (closed at teardown)
-        p = subprocess.Popen([sys.executable, "-m", "worker", "dashboard", "--redis-url", redis_url, "--queue", queue,
+        p = subprocess.Popen([sys.executable, "-m", "cli", "dashboard", "--redis-url", redis_url, "--queue", queue,
                               "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
         p.log = log
         procs.append(p)
@@ -161,7 +161,7 @@ def test_dashboard_mounts_under_a_prefix(redis_url, queue):
     from starlette.routing import Mount
     from starlette.testclient import TestClient
 
-    from worker.dashboard import create_app
+    from monitor.dashboard import create_app
 
     assert starlette
     outer = Starlette(routes=[Mount("/dashboard", create_app(redis_url, queue))])

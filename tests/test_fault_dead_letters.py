@@ -6,8 +6,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from cli import main
 from producer import Client
-from worker.cli import main
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine 
 
 
 def test_cli_without_gpu_says_so_and_fails(tmp_path):
-    from worker.cli import main
+    from cli import main
 
     out = tmp_path / "gpu.json"
     result = CliRunner().invoke(main, ["gpu-check", "--out", str(out)])
@@ -33,7 +33,7 @@ def test_module_runs_without_redis_or_click(tmp_path):
         "        if name.split('.')[0] in ('redis', 'click', 'producer'):\n"
         "            raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "from worker.gpu_check import main\n"
+        "from bench.gpu_check import main\n"
         f"sys.exit(main(['--out', {str(tmp_path / 'g.json')!r}]))\n"
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -45,7 +45,7 @@ def test_module_runs_without_redis_or_click(tmp_path):
 @pytest.mark.parametrize("section", ["graphs", "e2e"])
 def test_sections_run_on_cpu(tiny_model, section):
     # A smoke run of the measuring code on a tiny model, so that the first GPU run does not trip on a typo.
-    from worker import gpu_check
+    from bench import gpu_check
 
     path = tiny_model("llama")
     if section == "graphs":

@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 from faults import wait_for
 
+from monitor import fleet
 from producer import Client
 from producer.keys import GROUP, Keys
-from worker import fleet
 from worker.consumers import prune_dead_consumers
 from worker.heartbeat import Heartbeat
 from worker.metrics import Metrics
@@ -20,7 +20,7 @@ FLAGS = ("--max-num-seqs", "4", "--num-kv-blocks", "64", "--max-model-len", "256
 
 
 def cli(redis_url, queue, *args):
-    from worker.cli import main
+    from cli import main
 
     return CliRunner().invoke(main, [*args], env={"REDIS_URL": redis_url, "PAGEDQ_QUEUE": queue})
 

@@ -4,9 +4,10 @@ import json
 
 import pytest
 
+from monitor.dashboard.data import history
+from monitor.percentiles import quantile
 from producer.keys import Keys
-from worker.dashboard.data import history
-from worker.latency_window import TTFT_BUCKETS, LatencyWindow, bucket_of, quantile
+from worker.latency_window import TTFT_BUCKETS, LatencyWindow, bucket_of
 
 
 def test_bucket_of_and_quantile():

@@ -21,7 +21,7 @@ from redis.exceptions import ResponseError
 
 from producer import calls, scripts, wire
 from producer.errors import DuplicateJobError, JobNotFound, LeaseLost
-from producer.keys import GROUP, Keys
+from producer.keys import GROUP, BatchKeys, Keys
 from producer.protocol import JobRequest
 
 SCRIPTS = Path(scripts.__file__).parent / "scripts"
@@ -302,6 +302,38 @@ def test_retry(q):
     entry = q.run(calls.retry(q.k, full, "a"))
     assert q.state("a") == wire.QUEUED and q.r.hget(q.k.job("a"), wire.F_ENTRY) == entry
     assert q.r.hget(q.k.job("a"), wire.F_ATTEMPTS) == "0"
+
+
+# ---- remove_consumer (a gone worker leaves the group) ----
+
+def test_remove_consumer_only_when_gone(q):
+    def remove(name: str, min_idle_ms: int = 0, keys: Keys = q.k) -> bool:
+        return q.run(calls.remove_consumer(keys, name, min_idle_ms))
+
+    q.submit("a")
+    q.read()  # SETTINGS' worker now holds a pending entry
+    q.r.xgroup_createconsumer(q.k.jobs, GROUP, "idle")
+    assert not remove("idle", keys=Keys(f"{q.k.queue}-none"))  # no such group
+    q.r.set(q.k.worker("idle"), "{}")
+    assert not remove("idle")  # its heartbeat is live
+    q.r.delete(q.k.worker("idle"))
+    assert not remove(SETTINGS.worker_id)  # it holds a job
+    assert not remove("idle", min_idle_ms=10**9)  # active lately
+    assert not remove("nobody")
+    assert remove("idle")
+    assert [c["name"] for c in q.r.xinfo_consumers(q.k.jobs, GROUP)] == [SETTINGS.worker_id]
+
+
+# ---- set_if (a batch's status moves only forward) ----
+
+def test_set_if(q, queue):
+    key = BatchKeys.batch(f"b-{queue}")
+    q.r.hset(key, "status", "in_progress")
+    assert not q.run(calls.set_if(key, "status", ("validating",), {"status": "in_progress", "in_progress_at": 1}))
+    assert q.r.hgetall(key) == {"status": "in_progress"}
+    assert q.run(calls.set_if(key, "status", ("validating", "in_progress"), {"status": "cancelling",
+                                                                             "cancelling_at": 5}))
+    assert q.r.hgetall(key) == {"status": "cancelling", "cancelling_at": "5"}
 
 
 def test_every_branch_ran_both_ways(rds):

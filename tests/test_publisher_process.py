@@ -11,8 +11,9 @@ from faults import log_of, started, wait_for
 from engine import SamplingParams
 from producer import Client
 from worker.job import RunningJob
-from worker.publisher_child import JobView, _RustTokenizer
-from worker.publisher_process import tokenizer_spec
+from worker.publisher.job_view import JobView
+from worker.publisher.messages import tokenizer_spec
+from worker.publisher.process import RustTokenizer
 
 FLAGS = ("--max-num-seqs", "8", "--num-kv-blocks", "256", "--max-model-len", "256", "--lease-ms", "1500")
 
@@ -33,18 +34,18 @@ def _follow(engine, tokenizer, prompt: list[int], params: SamplingParams, resume
                        resume_text=resume[1])
     job = RunningJob(id="r", entry="0-1", lease="l", attempts=1, enqueued_at=None, started_at=0.0,
                      resume_ids=resume[0], resume_text=resume[1])
-    view = JobView(job, tokenizer, prompt[-CONTEXT_TOKENS:])
+    view = JobView.begin(job, tokenizer, prompt[-CONTEXT_TOKENS:])
     while True:
         for out in engine.step():
             assert out.text_deferred  # nothing in the step needs the text without stop strings
-            got = view.output(out.new_token_ids, None, out.finish_reason, 0, None, 0.0)
+            view.take(out.new_token_ids, None, out.finish_reason, 0, None, 0.0)
             if out.finished:
-                return out.text, got.text
+                return out.text, view.text()
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_the_publisher_decodes_as_the_engine(engine, seed):
-    tokenizer = _RustTokenizer(tokenizer_spec(engine.tokenizer)[1])  # as the process gets it: JSON, no transformers
+    tokenizer = RustTokenizer(tokenizer_spec(engine.tokenizer)[1])  # as the process gets it: JSON, no transformers
     prompt = engine.tokenizer.encode(f"Café ☕ naïve 你好 {seed}")
     params = SamplingParams(max_tokens=40, temperature=1.0, seed=seed)
     ref, got = _follow(engine, tokenizer, prompt, params)

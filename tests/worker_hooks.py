@@ -18,9 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from cli import main  # noqa: E402
 from producer.wire import ENTRY_JOB  # noqa: E402
 from worker import worker as worker_mod  # noqa: E402
-from worker.cli import main  # noqa: E402
 
 
 def poison(mark: str) -> None:

@@ -17,9 +17,9 @@ from typing import Any
 import redis as redis_lib
 
 from producer.keys import QUEUES, Keys
+from producer.queue_info import queue_info
 from worker.consumers import prune_dead_consumers, remove_consumer
 from worker.metrics import Metrics
-from worker.queue_info import queue_info
 
 log = logging.getLogger("pagedq.worker")
 

@@ -2,8 +2,9 @@
 
 Each heartbeat appends one such interval to the queue's stats stream. Bucket counts (not samples, not
 percentiles) are what make the picture exact across workers: the dashboard sums the counts of every worker's
-intervals in a time slot and reads the percentiles off the sum, as Prometheus' histogram_quantile does, where
-percentiles computed per worker could not be combined at all.
+intervals in a time slot and reads the percentiles off the sum (monitor.percentiles), where percentiles computed
+per worker could not be combined at all. A bucket's key is its upper bound as text, so a reader needs no copy of
+the bounds.
 """
 
 from __future__ import annotations
@@ -19,25 +20,6 @@ def bucket_of(bounds: tuple[float, ...], value: float) -> str:
     """The upper bound (as the key a stats entry uses) of the bucket `value` falls in; "+Inf" past the last."""
     i = bisect.bisect_left(bounds, value)
     return repr(float(bounds[i])) if i < len(bounds) else "+Inf"
-
-
-def quantile(counts: dict[str, int], q: float) -> float | None:
-    """The q-quantile (0..1) of merged bucket counts {upper bound: count}, interpolated linearly inside its
-    bucket; None without observations. A value in the +Inf bucket reads as the last finite bound."""
-    items = sorted(((float(k), n) for k, n in counts.items() if n), key=lambda kv: kv[0])
-    total = sum(n for _, n in items)
-    if not total:
-        return None
-    rank = q * total
-    seen, lower = 0, 0.0
-    for upper, n in items:
-        if seen + n >= rank:
-            if upper == float("inf"):
-                return lower
-            return lower + (upper - lower) * (rank - seen) / n
-        seen += n
-        lower = upper if upper != float("inf") else lower
-    return lower
 
 
 class LatencyWindow:

@@ -39,8 +39,9 @@ class _Nop:
 
 
 class Metrics:
-    """What the worker, its publisher and its heartbeat observe. The attribute names the publisher uses
-    (pending_acks, publish_seconds, lease_lost, job_done) stay as they are."""
+    """What the worker, its publisher and its heartbeat observe. Its publisher's writer reports through
+    publish_round_trip, lease_lost, job_done and dead_letter (worker.publisher.writer.WriterMetrics), from
+    another process."""
 
     def __init__(self, queue: str, port: int | None = None, model: str = "") -> None:
         self.queue, self.model = queue, model
@@ -50,7 +51,7 @@ class Metrics:
         self.jobs_finished = 0
         nop = _Nop()
         for name in ("jobs", "tokens", "prompt_tokens", "cached_tokens", "preemptions", "retries", "dead_letters",
-                     "lease_lost", "steps", "step_seconds", "publish_seconds", "batch_seqs", "batch_tokens",
+                     "lease_losses", "steps", "step_seconds", "publish_seconds", "batch_seqs", "batch_tokens",
                      "queue_wait", "ttft", "tpot", "e2e", "running", "running_seqs", "waiting_seqs",
                      "pending_acks", "kv_free", "kv_used", "kv_total", "depth", "pending", "oldest_pending_age",
                      "oldest_waiting_age", "dlq_length", "live_workers"):
@@ -86,7 +87,7 @@ class Metrics:
         self.preemptions = counter("pagedq_preemptions", "Sequences preempted (their KV blocks freed, recomputed later)")
         self.retries = counter("pagedq_job_retries", "Deliveries of a job after its first (reclaimed or retried)")
         self.dead_letters = counter("pagedq_dead_letters", "Jobs this worker sent to the dead-letter stream")
-        self.lease_lost = counter("pagedq_lease_losses", "Writes refused because the job's lease was lost")
+        self.lease_losses = counter("pagedq_lease_losses", "Writes refused because the job's lease was lost")
         self.steps = counter("pagedq_engine_steps", "Engine steps")
         # ---- histograms ----
         self.queue_wait = histogram("pagedq_queue_wait_seconds", "Enqueue to start on a worker", QUEUE_WAIT_BUCKETS)
@@ -155,6 +156,13 @@ class Metrics:
         self.dead_letters.inc()
         self.job_done("failed")
 
+    def lease_lost(self) -> None:
+        """A write refused: another worker holds the job now."""
+        self.lease_losses.inc()
+
+    def publish_round_trip(self, seconds: float) -> None:
+        self.publish_seconds.observe(seconds)
+
     # ---- steps and state -----------------------------------------------------------------------------------
 
     def step(self, seqs: int, tokens: int, preempted: int, generated: int) -> None:
@@ -172,7 +180,7 @@ class Metrics:
         self.kv_total.set(kv_total)
 
     def queue_state(self, info: dict) -> None:
-        """`info`: worker.queue_info.queue_info's answer."""
+        """`info`: producer.queue_info.queue_info's answer."""
         self.depth.set(info["length"])
         self.pending.set(info["pending"])
         self.oldest_pending_age.set(info.get("oldest_pending_age_s") or 0)

@@ -14,48 +14,26 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 
 import redis as redis_lib
 
-from producer import calls, defaults, scripts, wire
+from producer import calls, scripts, wire
 from producer.connection import connect, is_cluster
 from producer.keys import GROUP, Keys
-from producer.protocol import Limits
+from worker.config import WorkerConfig
 from worker.heartbeat import Heartbeat
 from worker.job import RunningJob
 from worker.leases import LeaseKeeper
 from worker.metrics import Metrics
 from worker.pipeline import run_calls
-from worker.publisher_process import DIED, PublisherProcess, Setup, tokenizer_spec
+from worker.publisher import DIED, Publisher
+from worker.publisher.messages import Setup, tokenizer_spec
 from worker.resume import read_output
 from worker.validate import Rejected, parse, prompt_ids, sampling_params
 from worker.version import pagedq_version
 
 log = logging.getLogger("pagedq.worker")
 SWITCH_INTERVAL_S = 0.0005
-
-
-def make_worker_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
-
-
-@dataclass
-class WorkerConfig:
-    redis_url: str = defaults.REDIS_URL
-    queue: str = defaults.QUEUE
-    worker_id: str = field(default_factory=make_worker_id)
-    result_ttl: int = defaults.RESULT_TTL_S
-    lease_ms: int = defaults.LEASE_MS
-    max_attempts: int = defaults.MAX_ATTEMPTS
-    dlq_cap: int = defaults.DLQ_CAP
-    block_ms: int = 1000  # longest idle XREADGROUP BLOCK: how often an idle worker looks at its stop flag
-    socket_timeout: float = 10.0  # a Redis reply that takes longer is a dead connection: reconnect
-    drain_timeout: float = 30.0  # on stop: how long running jobs may still finish before they are handed back
-    served_models: tuple[str, ...] = ()  # names a request's `model` may use; empty: the engine's model name
-    limits: Limits = field(default_factory=Limits)
-    metrics_port: int | None = None
-    heartbeat_s: float = 5.0  # how often the worker's record in Redis is renewed; it lives 3x as long
 
 
 class Worker:
@@ -80,7 +58,7 @@ class Worker:
         self.active: dict[str, RunningJob] = {}
         self.stop_event = threading.Event()
         # The publisher process connects from the URL (a `redis` client given here serves the loop's own calls).
-        self.publisher = PublisherProcess(
+        self.publisher = Publisher(
             Setup(config.redis_url, options, is_cluster(self.r), config.queue, self.settings, self.model,
                   tokenizer_spec(engine.tokenizer), log.getEffectiveLevel()), self.metrics)
         self.last_step_s = 0.0
@@ -276,11 +254,11 @@ class Worker:
             self.publisher.step(items, now)
         self.metrics.running.set(len(self.active))
         self._expire(now)
-        self.engine.times.lap("publish")
+        self.engine.record_phase("publish")
 
     def _collect(self, outs: list, now: float) -> tuple[list, list, list, int]:
-        """One pass over a step's outputs -> the publisher's items [(job, output)], the same pairs for first
-        tokens and for finished jobs, and the tokens generated. Runs per job per step: kept to one loop."""
+        """One pass over a step's outputs -> those of the jobs held (the publisher's), (job, output) pairs for
+        first tokens and for finished jobs, and the tokens generated. Runs per job per step: kept to one loop."""
         active = self.active
         items, firsts, ends, ntok = [], [], [], 0
         for out in outs:
@@ -294,7 +272,7 @@ class Worker:
             if out.finished:
                 del active[out.request_id]
                 ends.append((job, out))
-            items.append((job, out))
+            items.append(out)
             job.emitted += n
             ntok += n
         return items, firsts, ends, ntok
@@ -315,18 +293,17 @@ class Worker:
         m.engine_state(eng.num_running, eng.num_waiting, eng.num_free_blocks, eng.num_total_blocks)
 
     def _static_info(self) -> dict:
-        cfg = getattr(self.engine, "config", None)
-        return {"model": self.model, "served": sorted(self.served), "device": getattr(cfg, "device", None), "dtype": getattr(cfg, "dtype", None),
-                "max_num_seqs": getattr(cfg, "max_num_seqs", None), "version": pagedq_version(),
-                "host": socket.gethostname(), "pid": os.getpid()}
+        cfg = self.engine.config
+        return {"model": self.model, "served": sorted(self.served), "device": cfg.device, "dtype": cfg.dtype,
+                "max_num_seqs": cfg.max_num_seqs, "version": pagedq_version(), "host": socket.gethostname(),
+                "pid": os.getpid()}
 
     def _live_state(self) -> dict:
         """For the heartbeat thread: plain reads of counters and list lengths the step loop updates."""
         eng = self.engine
-        sched = getattr(eng, "scheduler", None)
+        running, waiting = eng.request_counts()
         total, free = eng.num_total_blocks, eng.num_free_blocks
-        return {"jobs": len(self.active), "running": len(sched.running) if sched else len(self.active),
-                "waiting": len(sched.waiting) if sched else 0, "kv_blocks_used": total - free,
+        return {"jobs": len(self.active), "running": running, "waiting": waiting, "kv_blocks_used": total - free,
                 "kv_blocks_total": total, "steps": self.steps, "last_step_s": round(self.last_step_s, 6),
                 "jobs_finished": self.metrics.jobs_finished, "draining": self.stop_event.is_set()}
 

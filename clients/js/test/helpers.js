@@ -1,4 +1,4 @@
-// Test fixtures: a real redis-server on a free port, a real pagedq worker (python3 -m worker) on a tiny
+// Test fixtures: a real redis-server on a free port, a real pagedq worker (python3 -m cli worker) on a tiny
 // random-weight model, and calls into the Python client for the interop tests. Everything waits for states
 // (a PING answered, a job's state), never for a fixed time.
 
@@ -126,12 +126,12 @@ export function tinyModel() {
   return model;
 }
 
-/** Starts `python3 -m worker worker` on `queue`; `await w.stop()` ends it; `w.log()` reads its output. */
+/** Starts `python3 -m cli worker` on `queue`; `await w.stop()` ends it; `w.log()` reads its output. */
 export function startWorker(url, queue, ...flags) {
   const dir = mkdtempSync(join(tmpdir(), 'pagedq-js-worker-'));
   const logPath = join(dir, 'worker.log');
   const log = openSync(logPath, 'w');
-  const proc = track(spawn(PYTHON, ['-m', 'worker', 'worker', '--redis-url', url, '--queue', queue, '--model', tinyModel(),
+  const proc = track(spawn(PYTHON, ['-m', 'cli', 'worker', '--redis-url', url, '--queue', queue, '--model', tinyModel(),
     '--device', 'cpu', '--max-num-seqs', '8', '--num-kv-blocks', '256', '--log-level', 'INFO', ...flags],
   { cwd: PY_ROOT, env: PY_ENV, stdio: ['ignore', log, log] }));
   let code = null;

@@ -1,6 +1,5 @@
-"""The publisher: a thread that writes a worker's outputs to Redis, one pipelined round trip per batch.
-
-It runs in the worker's publisher process (worker/publisher_process.py), which hands it each step's outputs;
+"""The writer: a thread of the publisher process that writes a worker's outputs to Redis, one pipelined round
+trip per batch of them. The process hands it each step's outputs (StepOutput) and the jobs that end otherwise;
 JSON encoding and the network happen here. Whatever piled up while a round trip was in flight goes out together
 in the next one.
 """
@@ -14,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from json.encoder import encode_basestring
+from typing import Protocol
 
 import redis as redis_lib
 
@@ -22,46 +22,65 @@ from producer.errors import LeaseLost
 from producer.keys import Keys
 from producer.protocol import ErrorInfo, TokenLogprob
 from worker.job import RunningJob
-from worker.metrics import Metrics
 from worker.pipeline import run_calls
+from worker.publisher.job_view import FINISH, JobView
+from worker.publisher.messages import StepOutput
 
 log = logging.getLogger("pagedq.worker")
 
 _STOP = object()
 
 
-class Publisher(threading.Thread):
+class WriterMetrics(Protocol):
+    """What the writer reports: worker.metrics.Metrics implements it; in the publisher process each call goes up
+    the pipe to the worker's Metrics (process.RelayedMetrics)."""
+
+    def publish_round_trip(self, seconds: float) -> None: ...
+
+    def lease_lost(self) -> None: ...
+
+    def job_done(self, status: str) -> None: ...
+
+    def dead_letter(self) -> None: ...
+
+
+RELAYED = tuple(name for name in vars(WriterMetrics) if not name.startswith("_"))  # its calls, by name
+
+
+class Notices(Protocol):
+    def put(self, notice: tuple[str, str, str]) -> None:
+        """("cancel" | "lost", job id, lease), learned from the replies to token writes."""
+
+
+class RedisWriter(threading.Thread):
     def __init__(self, r: redis_lib.Redis, keys: Keys, settings: calls.WorkerSettings, model: str,
-                 metrics: Metrics, on_settled: Callable[[int], None]) -> None:
+                 metrics: WriterMetrics, notices: Notices, on_settled: Callable[[int], None]) -> None:
         """on_settled(n): n finished jobs handed over are written (or given up on), so they no longer sit in the
         group's pending list: the worker's intake counts them until then."""
         super().__init__(name="pagedq-publisher", daemon=True)
         self.r, self.keys, self.settings = r, keys, settings
         self.worker_id, self.model, self.ttl, self.metrics = settings.worker_id, model, settings.ttl, metrics
-        self.on_settled = on_settled
+        self.notices, self.on_settled = notices, on_settled
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        # To the step loop: ("cancel" | "lost", job id, lease), learned from publish and renew replies.
-        self.notices: queue.SimpleQueue = queue.SimpleQueue()
         self.give_up_at = float("inf")
 
-    # ---- the step loop's side -------------------------------------------------------------------------------
+    # ---- the process's side ---------------------------------------------------------------------------------
 
-    def step(self, items: list, now: float) -> None:
-        """One engine step's outputs: [(job, output, offset)] (publisher_child.Output), offset = the job's output
-        tokens before this chunk; finished ones end their job."""
-        self.inbox.put(("step", items, now))
+    def step(self, outputs: list[StepOutput], now: float) -> None:
+        """One engine step's outputs; finished ones end their job."""
+        self.inbox.put(("step", outputs, now))
 
-    def end(self, job: RunningJob, status: str, finish_reason: str) -> None:
+    def end(self, view: JobView, status: str, finish_reason: str) -> None:
         """End a job the engine no longer runs (cancelled, expired, shut down) with its output so far."""
-        self.inbox.put(("end", job, status, finish_reason, time.time()))
+        self.inbox.put(("end", view, status, finish_reason, time.time()))
 
-    def fail(self, job: RunningJob, type: str, message: str) -> None:
-        self.inbox.put(("fail", job, ErrorInfo(type=type, message=message), time.time()))
+    def fail(self, view: JobView, type: str, message: str) -> None:
+        self.inbox.put(("fail", view, ErrorInfo(type=type, message=message), time.time()))
 
-    def release(self, job: RunningJob, mode: str, type: str = "", message: str = "") -> None:
+    def release(self, view: JobView, mode: str, type: str = "", message: str = "") -> None:
         """Give a job back to the queue: "handback" (draining) or "retry" (it failed; dead-lettered once it
         used up its attempts)."""
-        self.inbox.put(("release", job, mode, ErrorInfo(type=type or mode, message=message or mode), time.time()))
+        self.inbox.put(("release", view, mode, ErrorInfo(type=type or mode, message=message or mode), time.time()))
 
     def close(self, timeout: float = 30.0) -> None:
         """Write what is queued, then stop. Redis errors are retried until `timeout` runs out."""
@@ -69,7 +88,7 @@ class Publisher(threading.Thread):
         self.inbox.put(_STOP)
         self.join(timeout + 1)
 
-    # ---- the publisher thread -------------------------------------------------------------------------------
+    # ---- the writer thread ----------------------------------------------------------------------------------
 
     def run(self) -> None:
         stop = False
@@ -110,7 +129,7 @@ class Publisher(threading.Thread):
     def _settle(self, batch: list) -> None:
         # Items never written still count as pending acks: release them, or intake would stall.
         n = sum(1 for op in batch if op[0] != "step") + sum(
-            1 for op in batch if op[0] == "step" for _, out, _ in op[1] if out.finished)
+            1 for op in batch if op[0] == "step" for out in op[1] if out.finish_reason is not None)
         self.on_settled(n)
 
     def flush(self, batch: list) -> None:
@@ -126,37 +145,40 @@ class Publisher(threading.Thread):
         t = time.perf_counter()
         outs = run_calls(self.r, todo)
         self.on_settled(len(ends))
-        self.metrics.publish_seconds.observe(time.perf_counter() - t)
+        self.metrics.publish_round_trip(time.perf_counter() - t)
         if chunks:
             self._read_acks([job for job, _ in chunks], outs.pop(0))
         for (job, status, _), out in zip(ends, outs, strict=True):
             self._read_end(job, status, out)
 
-    def _step_calls(self, items: list, now: float, chunks: list, ends: list) -> None:
-        for job, out, offset in items:
+    def _step_calls(self, outputs: list[StepOutput], now: float, chunks: list, ends: list) -> None:
+        for out in outputs:
+            view = out.view
+            job = view.job
             chunk = None
-            if out.new_token_ids or out.new_text:
-                chunk = calls.Chunk(job.id, job.lease, offset, len(out.new_token_ids), self._token_event(job, out))
-            if out.finished:
+            if out.token_ids or out.text:
+                chunk = calls.Chunk(job.id, job.lease, out.offset, len(out.token_ids), self._token_event(out))
+            if out.finish_reason is not None:
                 # The last chunk rides with the result: a stream never holds all tokens but no end.
-                res = job.result(wire.COMPLETED, self.worker_id, self.model, now, out=out)
+                res = view.result(wire.COMPLETED, self.worker_id, self.model, now, FINISH.get(out.finish_reason))
                 ends.append((job, wire.COMPLETED, calls.complete(self.keys, job.delivery, wire.COMPLETED,
                                                                  res.model_dump_json(), self.ttl, chunk)))
             elif chunk:
                 chunks.append((job, chunk))
 
     def _end_call(self, op: tuple) -> tuple[RunningJob, str, calls.Call]:
-        kind, job = op[0], op[1]
+        kind, view = op[0], op[1]
+        job = view.job
         if kind == "end":
             _, _, status, reason, now = op
-            res = job.result(status, self.worker_id, self.model, now, finish_reason=reason)
+            res = view.result(status, self.worker_id, self.model, now, reason)
             return job, status, calls.complete(self.keys, job.delivery, status, res.model_dump_json(), self.ttl)
         if kind == "release":
             _, _, mode, err, _ = op
             return job, "released", calls.release(self.keys, job.delivery, self.settings, mode, err.type,
                                                   err.message)
         _, _, err, now = op
-        res = job.result(wire.FAILED, self.worker_id, self.model, now, finish_reason="error", error=err)
+        res = view.result(wire.FAILED, self.worker_id, self.model, now, "error", error=err)
         return job, wire.FAILED, calls.fail(self.keys, job.delivery, res.model_dump_json(), self.ttl)
 
     def _read_acks(self, jobs: list[RunningJob], acks) -> None:
@@ -165,14 +187,14 @@ class Publisher(threading.Thread):
             return
         for job, ack in zip(jobs, acks, strict=True):
             if ack == "lost":
-                self.metrics.lease_lost.inc()
+                self.metrics.lease_lost()
                 log.warning("job %s: lease lost: token write refused", job.id)
             if ack != "ok":
                 self.notices.put((ack, job.id, job.lease))
 
     def _read_end(self, job: RunningJob, status: str, out) -> None:
         if isinstance(out, LeaseLost):
-            self.metrics.lease_lost.inc()
+            self.metrics.lease_lost()
             log.warning("job %s: lease lost: %s refused", job.id, status)
         elif isinstance(out, Exception):
             log.error("job %s: could not write its result: %s", job.id, out)
@@ -184,16 +206,15 @@ class Publisher(threading.Thread):
         else:
             log.info("job %s: handed back to the queue", job.id)
 
-    def _token_event(self, job: RunningJob, out) -> str:
+    def _token_event(self, out: StepOutput) -> str:
         if not out.logprobs:  # the hot case, a job per step: a format string, no dict, no generic encoder
-            ids = ",".join(map(str, out.new_token_ids))
-            return f'{{"type":"token","text":{encode_basestring(out.new_text)},"token_ids":[{ids}]}}'
-        ev = {"type": "token", "text": out.new_text, "token_ids": out.new_token_ids}
-        if out.logprobs:
-            lps = [TokenLogprob(token_id=t, logprob=lp, top=top)
-                   for t, (lp, top) in zip(out.new_token_ids, out.logprobs, strict=False)]
-            if job.logprobs is None:
-                job.logprobs = []
-            job.logprobs.extend(lps)
-            ev["logprobs"] = [x.model_dump() for x in lps]
-        return json.dumps(ev)
+            ids = ",".join(map(str, out.token_ids))
+            return f'{{"type":"token","text":{encode_basestring(out.text)},"token_ids":[{ids}]}}'
+        lps = [TokenLogprob(token_id=t, logprob=lp, top=top)
+               for t, (lp, top) in zip(out.token_ids, out.logprobs, strict=False)]
+        view = out.view
+        if view.logprobs is None:
+            view.logprobs = []
+        view.logprobs.extend(lps)
+        return json.dumps({"type": "token", "text": out.text, "token_ids": out.token_ids,
+                           "logprobs": [x.model_dump() for x in lps]})

@@ -18,10 +18,10 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from monitor import fleet
+from monitor.dashboard import data
 from producer import defaults
 from producer.keys import check_queue
-from worker import fleet
-from worker.dashboard import data
 
 PAGE = Path(__file__).with_name("page.html")
 MAX_TOKENS_LIMIT = 4096  # the form's jobs: a dashboard is not the place for long generations

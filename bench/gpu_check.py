@@ -7,7 +7,7 @@
 4. end to end: SmolLM2 bf16 on the bench's chat and mixed workloads, the engine vs transformers static batching and
    generate_batch on the same GPU.
 
-No network and no Redis: `python -m worker.gpu_check` runs it where neither click nor redis is installed.
+No network and no Redis: `python -m bench.gpu_check` runs it where neither click nor redis is installed.
 Exit status: 0 when it ran and every kernel was correct, 1 without a GPU, 2 when a kernel was wrong.
 """
 
@@ -21,7 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_OUT = "docs/bench/gpu-check.json"
+from engine.config import DEFAULT_MODEL
+
 SECTIONS = ("kernels", "bandwidth", "graphs", "e2e")
 TOL = {"bfloat16": 2e-2, "float16": 2e-3}
 # (Hq, Hkv, head_dim, block_size, batch kind) as in tests/test_triton_kernels.py
@@ -34,22 +35,25 @@ KINDS = {
 }
 BATCHES = (1, 8, 64, 256)
 CONTEXTS = (512, 2048, 8192)
-MODEL = "smollm2-135m-instruct"
+# The command's options, once: `pagedq gpu-check` (bench.cli, click) and `python -m bench.gpu_check` (argparse,
+# where click is not installed) are made from them. (flag, default, help)
+OPTIONS = (("--out", "docs/bench/gpu-check.json", "Where the JSON goes"),
+           ("--device", "cuda", "The GPU to check"),
+           ("--sections", ",".join(SECTIONS), "Comma-separated subset"),
+           ("--model", DEFAULT_MODEL, "Model of the end-to-end section"))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pagedq gpu-check", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=DEFAULT_OUT, help=f"JSON path (default {DEFAULT_OUT})")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of " + ",".join(SECTIONS))
-    ap.add_argument("--model", default=MODEL)
+    for flag, default, help in OPTIONS:
+        ap.add_argument(flag, default=default, help=f"{help} (default {default})")
     a = ap.parse_args(argv)
     return run(a.out, a.device, a.sections.split(","), a.model)
 
 
-def run(out: str, device: str = "cuda", sections: list[str] | tuple[str, ...] = SECTIONS, model: str = MODEL,
-        echo=print) -> int:
+def run(out: str, device: str = "cuda", sections: list[str] | tuple[str, ...] = SECTIONS,
+        model: str = DEFAULT_MODEL, echo=print) -> int:
     import torch
 
     if not torch.cuda.is_available():
@@ -188,7 +192,8 @@ def attention_bandwidth(device: str, hq: int = 9, hkv: int = 3, d: int = 64, bs:
 # ---- 3. CUDA graphs vs eager -----------------------------------------------------------------------------------
 
 
-def graph_speedup(device: str, model: str = MODEL, batches: tuple[int, ...] = (1, 8, 64), steps: int = 64) -> dict:
+def graph_speedup(device: str, model: str = DEFAULT_MODEL, batches: tuple[int, ...] = (1, 8, 64),
+                  steps: int = 64) -> dict:
     from engine import EngineConfig, LLMEngine, SamplingParams
 
     rows = []
@@ -230,7 +235,7 @@ def _sync(device: str) -> None:
 # ---- 4. end to end -----------------------------------------------------------------------------------------------
 
 
-def end_to_end(device: str, model: str = MODEL, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+def end_to_end(device: str, model: str = DEFAULT_MODEL, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                quick: bool = False) -> dict:
     from transformers import AutoTokenizer
 

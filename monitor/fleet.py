@@ -9,7 +9,7 @@ import json
 import redis as redis_lib
 
 from producer.keys import QUEUES, Keys
-from worker.queue_info import queue_info
+from producer.queue_info import queue_info
 
 
 def known_queues(r: redis_lib.Redis) -> list[str]:

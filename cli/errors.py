@@ -84,3 +84,15 @@ class Group(click.Group):
 
     # Subgroups made with @group.group() fail the same way.
     group_class = type
+
+
+def check_redis(redis_url: str) -> None:
+    """Fail at once (exit 3, through Group) when Redis does not answer: before slow work, such as loading a model,
+    since Redis is the likelier problem."""
+    from producer.connection import connect
+
+    r = connect(redis_url, socket_connect_timeout=5, socket_timeout=10)
+    try:
+        r.ping()
+    finally:
+        r.close()

@@ -6,9 +6,9 @@ import re
 
 import redis as redis_lib
 
+from monitor.fleet import known_queues
 from producer.connection import is_cluster
 from producer.keys import PREFIX, Keys
-from worker.fleet import known_queues
 
 _KEY_RE = re.compile(r"^" + re.escape(PREFIX) + r":\{(?P<queue>[^}]+)\}:(?:job|result):")
 _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")

@@ -7,10 +7,10 @@ import json
 
 import redis as redis_lib
 
+from monitor import fleet
+from monitor.percentiles import quantile
 from producer.dlq import list_dead
 from producer.keys import Keys
-from worker import fleet
-from worker.latency_window import quantile
 
 DEAD_LETTERS_SHOWN = 20
 

@@ -1,17 +1,23 @@
-"""`pagedq demo`: an embedded Redis, one worker subprocess, a handful of jobs; one streamed to the terminal."""
+"""Trying pagedq on one machine: `pagedq redis` (an embedded redis-server) and `pagedq demo` (an embedded Redis,
+one worker subprocess, a handful of jobs; one streamed to the terminal)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 import click
 
-from producer import Client
-from worker.redis_server import RedisServer, stop_process
+from cli.options import default_of
+from engine.config import EngineConfig
+
+if TYPE_CHECKING:
+    from producer import Client
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -25,11 +31,43 @@ QUESTIONS = [
 ]
 
 
+@click.command()
+@click.option("--port", type=int, default=None, help="Default: a free port")
+@click.option("--persist", is_flag=True, help="Keep RDB snapshots (in its temporary folder)")
+def redis(port: int | None, persist: bool) -> None:
+    """Start an embedded redis-server, print its URL, run until Ctrl-C."""
+    from worker.redis_server import RedisServer
+
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+    with RedisServer(port=port, persist=persist) as srv:
+        click.echo(srv.url, nl=True)
+        sys.stdout.flush()
+        try:
+            while not stop and srv.proc.poll() is None:
+                time.sleep(0.2)
+        except KeyboardInterrupt:
+            pass
+
+
+@click.command()
+@click.option("--model", default=default_of(EngineConfig, "model"), help="Alias, local HF folder, .gguf file or hub id")
+@click.option("--device", default=default_of(EngineConfig, "device"), help="cpu or cuda[:N]")
+@click.option("--jobs", "num_jobs", type=int, default=8, help="Jobs to submit")
+@click.option("--max-tokens", type=int, default=48, help="Most tokens per job")
+def demo(model: str, device: str, num_jobs: int, max_tokens: int) -> None:
+    """Embedded Redis + one worker: submit a few jobs, stream one, print results and throughput."""
+    sys.exit(run_demo(model, device, num_jobs, max_tokens))
+
+
 def run_demo(model: str, device: str, num_jobs: int, max_tokens: int) -> int:
+    from producer import Client
+    from worker.redis_server import RedisServer, stop_process
+
     with RedisServer() as srv, tempfile.NamedTemporaryFile("w+", prefix="pagedq-demo-", suffix=".log",
                                                            delete=False) as log:
         click.echo(f"redis: {srv.url}")
-        cmd = [sys.executable, "-m", "worker", "worker", "--redis-url", srv.url, "--queue", "demo",
+        cmd = [sys.executable, "-m", "cli", "worker", "--redis-url", srv.url, "--queue", "demo",
                "--model", model, "--device", device, "--max-num-seqs", str(max(num_jobs, 1))]
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
         click.echo(f"worker: pid {proc.pid}, model {model} on {device} (log: {log.name})")

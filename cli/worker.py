@@ -1,0 +1,123 @@
+"""`pagedq worker`: one worker process, its engine and its queue."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+from typing import Any
+
+import click
+
+from cli.errors import check_redis
+from cli.options import default_of, queue_options
+from engine.config import EngineConfig
+from producer.protocol import Limits
+from worker import LOG_FORMAT
+from worker.config import WorkerConfig
+
+# Options named otherwise than the Limits field they set.
+LIMIT_OPTIONS = {"max_prompt_chars": "max_prompt_chars", "max_tokens_limit": "max_tokens",
+                 "max_metadata_bytes": "max_metadata_bytes"}
+
+
+@click.command()
+@queue_options
+@click.option("--model", envvar="PAGEDQ_MODEL", default=default_of(EngineConfig, "model"),
+              help="Alias, local HF folder, .gguf file or hub id")
+@click.option("--device", envvar="PAGEDQ_DEVICE", default=default_of(EngineConfig, "device"), help="cpu or cuda[:N]")
+@click.option("--dtype", envvar="PAGEDQ_DTYPE", default=default_of(EngineConfig, "dtype"),
+              help="float32 | bfloat16 | float16 | auto (bfloat16 on cuda and on CPUs with bfloat16 units); "
+                   "default: float32 on cpu, bfloat16 on cuda")
+@click.option("--max-num-seqs", envvar="PAGEDQ_MAX_NUM_SEQS", type=int, default=default_of(EngineConfig, "max_num_seqs"),
+              help="Sequences in one batch; default by device: 256")
+@click.option("--max-num-batched-tokens", envvar="PAGEDQ_MAX_NUM_BATCHED_TOKENS", type=int,
+              default=default_of(EngineConfig, "max_num_batched_tokens"),
+              help="Tokens (prefill chunks and decodes) in one engine step; default by device: 4096 on cpu, 8192 on cuda")
+@click.option("--max-model-len", envvar="PAGEDQ_MAX_MODEL_LEN", type=int,
+              default=default_of(EngineConfig, "max_model_len"),
+              help="Longest prompt + output in tokens; default: the model's, capped by the KV cache")
+@click.option("--num-kv-blocks", envvar="PAGEDQ_NUM_KV_BLOCKS", type=int,
+              default=default_of(EngineConfig, "num_kv_blocks"), help="KV cache size in blocks; default: sized from memory")
+@click.option("--block-size", envvar="PAGEDQ_BLOCK_SIZE", type=int, default=default_of(EngineConfig, "block_size"),
+              help="Tokens per KV cache block")
+@click.option("--overlap-steps/--no-overlap-steps", envvar="PAGEDQ_OVERLAP_STEPS",
+              default=default_of(EngineConfig, "overlap_steps"),
+              help="Schedule each step while the one before runs on the device; default: on for cuda, off for cpu")
+@click.option("--served-model-name", envvar="PAGEDQ_SERVED_MODEL_NAME", multiple=True,
+              help="Names a job's `model` may use (repeatable); default: --model")
+@click.option("--result-ttl", envvar="PAGEDQ_RESULT_TTL", type=int, default=default_of(WorkerConfig, "result_ttl"),
+              help="Seconds a result and its event stream are kept")
+@click.option("--max-prompt-chars", envvar="PAGEDQ_MAX_PROMPT_CHARS", type=int,
+              default=default_of(Limits, "max_prompt_chars"),
+              help="Longest prompt (all messages) in characters; longer jobs fail at once")
+@click.option("--max-tokens-limit", envvar="PAGEDQ_MAX_TOKENS_LIMIT", type=int, default=default_of(Limits, "max_tokens"),
+              help="Largest max_tokens a job may ask for")
+@click.option("--max-metadata-bytes", envvar="PAGEDQ_MAX_METADATA_BYTES", type=int,
+              default=default_of(Limits, "max_metadata_bytes"), help="Largest `metadata` of a job, as JSON")
+@click.option("--drain-timeout", envvar="PAGEDQ_DRAIN_TIMEOUT", type=float,
+              default=default_of(WorkerConfig, "drain_timeout"),
+              help="On SIGTERM: seconds running jobs may still finish; the rest are handed back")
+@click.option("--lease-ms", envvar="PAGEDQ_LEASE_MS", type=int, default=default_of(WorkerConfig, "lease_ms"),
+              help="A job whose lease is not renewed this long is reclaimed by another worker")
+@click.option("--max-attempts", envvar="PAGEDQ_MAX_ATTEMPTS", type=int, default=default_of(WorkerConfig, "max_attempts"),
+              help="Deliveries before a job goes to the dead-letter stream")
+@click.option("--dlq-cap", envvar="PAGEDQ_DLQ_CAP", type=int, default=default_of(WorkerConfig, "dlq_cap"),
+              help="Dead letters kept")
+@click.option("--metrics-port", envvar="PAGEDQ_METRICS_PORT", type=int, default=default_of(WorkerConfig, "metrics_port"),
+              help="Serve Prometheus metrics on this port")
+@click.option("--heartbeat-s", envvar="PAGEDQ_HEARTBEAT_S", type=float, default=default_of(WorkerConfig, "heartbeat_s"),
+              help="Seconds between heartbeats; the worker's record in Redis lives three times as long")
+@click.option("--worker-id", envvar="PAGEDQ_WORKER_ID", default=None, help="Default: hostname-pid-random")
+@click.option("--log-level", envvar="PAGEDQ_LOG_LEVEL", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+def worker(log_level: str, **options: Any) -> None:
+    """Run one worker: pull jobs from QUEUE into the engine, stream tokens and results back."""
+    logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
+    check_redis(options["redis_url"])  # before the model: loading it takes a while, and Redis is the likelier problem
+    import redis as redis_lib
+
+    from engine import LLMEngine
+    from producer.connection import redact
+    from worker.worker import Worker
+
+    engine = LLMEngine(engine_config(options))
+    cfg = worker_config(options, engine.model_name)
+    try:
+        w = Worker(engine, cfg)
+        _stop_on_signals(w, cfg.drain_timeout)
+        w.run()
+    except (redis_lib.AuthenticationError, redis_lib.exceptions.NoPermissionError) as e:
+        # A credentials problem is the operator's to fix: say so plainly, without a traceback or the password.
+        raise click.ClickException(f"redis at {redact(cfg.redis_url)} refused this worker: {e}") from None
+
+
+def engine_config(options: dict[str, Any]) -> EngineConfig:
+    """The EngineConfig of the command's options named as its fields, which it takes out of `options`."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{name: options.pop(name) for name in list(options) if name in fields})
+
+
+def worker_config(options: dict[str, Any], model: str) -> WorkerConfig:
+    """The WorkerConfig of the command's other options; `model`: the engine's."""
+    limits = Limits(**{field: options.pop(option) for option, field in LIMIT_OPTIONS.items()})
+    served = tuple(options.pop("served_model_name")) or (model,)
+    worker_id = options.pop("worker_id")
+    cfg = WorkerConfig(**options, served_models=served, limits=limits)
+    if worker_id:  # else WorkerConfig's own: hostname-pid-random
+        cfg.worker_id = worker_id
+    return cfg
+
+
+def _stop_on_signals(w, drain_timeout: float) -> None:
+    def on_signal(signum, frame):
+        log = logging.getLogger("pagedq.worker")
+        if w.stop_event.is_set():
+            # A second signal: exit now. What runs is not lost: its leases lapse and other workers resume it.
+            log.warning("signal %d again: exiting at once", signum)
+            os._exit(1)
+        log.info("signal %d: finishing running jobs (up to %.0f s), then stopping", signum, drain_timeout)
+        w.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)

@@ -1,0 +1,172 @@
+"""The routes of `pagedq serve`, one APIRouter per group: OpenAI's models, completions, files and batches under
+/v1, and the operator's /health and /metrics. Each is made for one app from what its handlers need: the
+settings, the app's queues (opened when it starts, hence a getter) and its metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import redis as redis_lib
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse, Response
+
+from producer import flows
+from serve import batches, completions, files
+from serve.config import ServeConfig
+from serve.errors import APIError, bad_request, not_found
+from serve.metrics import ServeMetrics
+from serve.queues import Queues
+from serve.served_models import list_models
+
+QueuesOf = Callable[[], Queues]
+
+
+async def _run(queues: Queues, flow: flows.Flow) -> Any:
+    return await flows.adrive(queues.redis, flow)
+
+
+def operations(queues: QueuesOf, metrics: ServeMetrics) -> APIRouter:
+    """GET /health (Redis answers) and GET /metrics (Prometheus); no API key, as a probe or a scraper has none."""
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> Response:
+        try:
+            await queues().redis.ping()
+        except redis_lib.RedisError as e:
+            return JSONResponse({"status": "error", "redis": str(e)}, 503)
+        return JSONResponse({"status": "ok"})
+
+    @router.get("/metrics")
+    async def metrics_() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return router
+
+
+def model_routes(config: ServeConfig, queues: QueuesOf) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": await list_models(config, queues().redis)}
+
+    @router.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict:
+        for m in await list_models(config, queues().redis):
+            if m["id"] == model:
+                return m
+        raise not_found(f"The model `{model}` does not exist", "model")
+
+    return router
+
+
+def completion_routes(queues: QueuesOf) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await completions.handle("chat", request, queues())
+
+    @router.post("/v1/completions")
+    async def completion(request: Request) -> Response:
+        return await completions.handle("completion", request, queues())
+
+    return router
+
+
+def file_routes(config: ServeConfig, queues: QueuesOf) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/files")
+    async def upload(request: Request) -> dict:
+        size = request.headers.get("content-length")
+        if size and size.isdigit() and int(size) > config.max_file_bytes + 64 * 1024:
+            raise APIError(413, f"the file is larger than {config.max_file_bytes} bytes", param="file")
+        form = await request.form(max_files=1, max_fields=8)
+        purpose, upload = form.get("purpose"), form.get("file")
+        if purpose != "batch":
+            raise bad_request("purpose must be 'batch' (pagedq stores batch input files only)", "purpose")
+        if upload is None or isinstance(upload, str):
+            raise bad_request("send the file as multipart form field 'file'", "file")
+        data = await upload.read(config.max_file_bytes + 1)
+        if len(data) > config.max_file_bytes:
+            raise APIError(413, f"the file is larger than {config.max_file_bytes} bytes", param="file")
+        try:
+            text = data.decode()
+        except UnicodeDecodeError:
+            raise bad_request("the file must be UTF-8 JSONL", "file") from None
+        return await _run(queues(), files.put(text, upload.filename or "upload.jsonl", purpose, config.store_ttl_s))
+
+    @router.get("/v1/files")
+    async def list_files(limit: int = 100, purpose: str | None = None) -> dict:
+        data = await _run(queues(), files.listing(max(1, min(limit, 10_000)), purpose))
+        return {"object": "list", "data": data, "has_more": False}
+
+    @router.get("/v1/files/{file_id}")
+    async def get_file(file_id: str) -> dict:
+        meta = await _run(queues(), files.get(_file_id(file_id)))
+        if meta is None:
+            raise not_found(f"No such File object: {file_id}", "file_id")
+        return meta
+
+    @router.get("/v1/files/{file_id}/content")
+    async def file_content(file_id: str) -> Response:
+        text = await _run(queues(), files.content(_file_id(file_id)))
+        if text is None:
+            raise not_found(f"No such File object: {file_id}", "file_id")
+        return Response(text, media_type="application/jsonl")
+
+    @router.delete("/v1/files/{file_id}")
+    async def delete_file(file_id: str) -> dict:
+        if not await _run(queues(), files.delete(_file_id(file_id))):
+            raise not_found(f"No such File object: {file_id}", "file_id")
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    return router
+
+
+def _file_id(file_id: str) -> str:
+    try:
+        files.check_id(file_id)
+    except ValueError as e:
+        raise not_found(str(e), "file_id") from None
+    return file_id
+
+
+def batch_routes(config: ServeConfig, queues: QueuesOf, metrics: ServeMetrics) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/batches")
+    async def create_batch(request: Request) -> dict:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise bad_request("the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object")
+        for field in ("input_file_id", "endpoint"):
+            if not isinstance(body.get(field), str):
+                raise bad_request(f"{field} is required", field)
+        unknown = set(body) - {"input_file_id", "endpoint", "completion_window", "metadata"}
+        if unknown:
+            raise bad_request(f"Unrecognized request argument supplied: {sorted(unknown)[0]}", sorted(unknown)[0])
+        out = await _run(queues(), batches.create(config, body["input_file_id"], body["endpoint"],
+                                                  body.get("completion_window") or "24h", body.get("metadata")))
+        metrics.batches.inc()
+        return out
+
+    @router.get("/v1/batches")
+    async def list_batches(limit: int = 20, after: str | None = None) -> dict:
+        return await _run(queues(), batches.listing(max(1, min(limit, 100)), after))
+
+    @router.get("/v1/batches/{batch_id}")
+    async def get_batch(batch_id: str) -> dict:
+        return await _run(queues(), batches.get(batch_id))
+
+    @router.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(batch_id: str) -> dict:
+        return await _run(queues(), batches.cancel(batch_id))
+
+    return router

@@ -1,3 +1,0 @@
-from worker.cli import main
-
-main()
