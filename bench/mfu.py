@@ -32,8 +32,8 @@ def matmul_peak(device: str, dtype: torch.dtype, size: int | None = None, second
 
 def memory_bandwidth(device: str, nbytes: int = 512 << 20, seconds: float = 1.0) -> dict:
     """Best bytes per second this device streams: copying a buffer far larger than any cache (bytes copied, each read
-    and written once) and reading one (a sum). A decode step at batch 1 reads every weight once: the read figure
-    bounds it from below."""
+    and written once) and reading one (a sum). A decode step at batch 1 reads every weight once: the read figure is
+    its floor."""
     gpu = device.startswith("cuda")
     src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)

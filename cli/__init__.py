@@ -13,6 +13,7 @@ from cli.dashboard import dashboard
 from cli.demo import demo, redis
 from cli.dlq import dlq
 from cli.jobs import cancel, result, status, submit, workers
+from cli.kernels import kernels
 from cli.model_files import models
 from cli.serve import batch, serve
 from cli.worker import worker
@@ -28,7 +29,7 @@ def main() -> None:
     its help shows."""
 
 
-COMMANDS = (worker, submit, result, status, workers, cancel, dashboard, dlq, redis, models, demo, bench,
+COMMANDS = (worker, submit, result, status, workers, cancel, dashboard, dlq, redis, models, kernels, demo, bench,
             gpu_check_command, serve, batch)
 for command in COMMANDS:
     main.add_command(command)

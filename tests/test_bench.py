@@ -59,13 +59,15 @@ def test_ratios_pass_fail_and_missing():
     assert "shared-prefix: via Redis / engine direct" not in got
 
 
-def test_single_stream_target_is_tpot_over_the_weight_read_time():
+def test_single_stream_target_is_tpot_over_the_weight_copy_time():
     from bench.run import ratios
 
     single = {"workload": "single", "system": "pagedq", "status": "ok", "checked": True, "tpot_p50_s": 0.013}
-    data = {"memory_bandwidth": {"read_bytes_per_s": 20e9}, "weight_bytes": 200e6}  # reading takes 10 ms
-    got = {q["name"]: q for q in ratios([single], ["single"], data)}["single: TPOT / weight-read time"]
+    # Copying the weights takes 10 ms, reading them 5.
+    data = {"memory_bandwidth": {"copy_bytes_per_s": 20e9, "read_bytes_per_s": 40e9}, "weight_bytes": 200e6}
+    got = {q["name"]: q for q in ratios([single], ["single"], data)}["single: TPOT / weight-copy time"]
     assert got["value"] == pytest.approx(1.3) and got["bound_s"] == pytest.approx(0.01) and got["result"] == "pass"
+    assert got["over_read_time"] == pytest.approx(2.6)
     slow = ratios([{**single, "tpot_p50_s": 0.02}], ["single"], data)[-1]
     assert slow["result"] == "fail"
     assert ratios([single], ["single"], {})[-1]["result"] == "n/a"  # no bandwidth measured
@@ -79,7 +81,7 @@ def test_bench_command_smoke(tiny, tmp_path):
                                      "-s", "pagedq,hf-generate", "--out-dir", str(out), "--no-charts",
                                      "--no-progress"])
     assert res.exit_code == 0, res.output + repr(res.exception)
-    assert "chat: pagedq / HF one-at-a-time" in res.output and "single: TPOT / weight-read time" in res.output
+    assert "chat: pagedq / HF one-at-a-time" in res.output and "single: TPOT / weight-copy time" in res.output
     data = json.loads((out / "bench.json").read_text())
     assert {"machine", "config", "results", "ratios", "matmul_peak", "params", "memory_bandwidth"} <= data.keys()
     assert {"cpu", "cpu_cores", "torch", "device"} <= data["machine"].keys()

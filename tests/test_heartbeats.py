@@ -143,3 +143,21 @@ def test_status_watch_refreshes(redis_url, queue, monkeypatch):
     lines = [json.loads(x) for x in res.output.splitlines() if x.startswith("{")]
     assert len(lines) == 2 and lines[0]["queue"] == queue and calls == [0.5, 0.5]
 
+
+
+def test_a_batch_that_starts_or_empties_shows_before_the_next_beat(redis_url, queue, pq_tiny_model, start_worker):
+    # Beats a minute apart, waits of at most 30 s: only the beat at the batch's start and end can show them.
+    start_worker(queue, pq_tiny_model, "--max-num-seqs", "4", "--num-kv-blocks", "256", "--max-model-len", "2048",
+                 "--heartbeat-s", "60", "--lease-ms", "600000", "--worker-id", "hb-idle")
+    wait_for(lambda: status_json(redis_url, queue)["workers"], 120, "the worker's first beat")
+
+    def running() -> int:
+        return status_json(redis_url, queue)["workers"][0]["running"]
+
+    with Client(redis_url, queue=queue) as c:
+        job = c.submit(prompt="hello", max_tokens=1500, temperature=0, ignore_eos=True)
+        wait_for(lambda: running() == 1, 30, "the worker's record to show the job in its batch")
+        c.cancel(job.id)
+        assert job.result(timeout=60).status == "cancelled"
+    wait_for(lambda: running() == 0, 30, "the worker's record to show its batch empty")
+    assert status_json(redis_url, queue)["pending"] == 0

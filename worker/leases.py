@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 
 import redis as redis_lib
 
@@ -31,6 +32,7 @@ class LeaseKeeper(threading.Thread):
         self.notices = notices
         self.heartbeat = heartbeat
         self.stop_event = threading.Event()
+        self.wake = threading.Event()  # a beat wanted before the next tick (refresh), or the stop
         # Three renewals per lease: one late or failed renewal still leaves the lease alive. The heartbeat
         # rides on the same tick (renewing more often than needed costs one small round trip).
         self.interval = settings.lease_ms / 3000
@@ -39,11 +41,18 @@ class LeaseKeeper(threading.Thread):
 
     def run(self) -> None:
         self._beat()  # at once: a worker shows up in `pagedq status` as soon as it runs
-        while not self.stop_event.wait(self.interval):
-            try:
-                self.renew()
-            except Exception as e:  # Redis away: try again next tick; the lease outlives a few misses
-                log.warning("lease renewal failed: %s", e)
+        next_tick = time.monotonic() + self.interval
+        while True:
+            self.wake.wait(max(0.0, next_tick - time.monotonic()))
+            self.wake.clear()
+            if self.stop_event.is_set():
+                break
+            if time.monotonic() >= next_tick:
+                next_tick = time.monotonic() + self.interval
+                try:
+                    self.renew()
+                except Exception as e:  # Redis away: try again next tick; the lease outlives a few misses
+                    log.warning("lease renewal failed: %s", e)
             self._beat()
         if self.heartbeat is not None:  # here, so that no beat of this thread can follow the removal
             try:
@@ -70,7 +79,13 @@ class LeaseKeeper(threading.Thread):
             if ack != "ok":
                 self.notices.put((ack, job.id, job.lease))
 
+    def refresh(self) -> None:
+        """Beat now rather than at the next tick: the worker's record follows a change the step loop made (its
+        batch emptied), so that `pagedq status` shows no running job on the queue beside a batch of one."""
+        self.wake.set()
+
     def close(self, timeout: float = 5.0) -> None:
         self.stop_event.set()
+        self.wake.set()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout)  # let it remove the heartbeat before the process exits

@@ -71,6 +71,7 @@ class Worker:
         self.deferred: list[tuple[str, dict]] = []
         self.solo: str | None = None  # the job running alone now
         self.steps = 0
+        self.busy = False  # the engine had requests at the loop's last look
         self.next_reap = 0.0
         self.reap_cursor = "0-0"
 
@@ -102,11 +103,19 @@ class Worker:
                     self._intake()
                 if eng.has_unfinished_requests():
                     self._step()
+                self._note_busy(eng.has_unfinished_requests())
             self._hand_back()
         finally:
             self.publisher.close()
             self.leases.close()
             log.info("worker %s stopped after %d steps", self.id, self.steps)
+
+    def _note_busy(self, busy: bool) -> None:
+        """A batch that starts or empties shows in the worker's record at once (a beat now), not up to a heartbeat
+        later: else `pagedq status` can show a queue with nothing running beside a worker with a batch of one."""
+        if busy != self.busy:
+            self.busy = busy
+            self.leases.refresh()
 
     def _setup(self) -> None:
         try:
