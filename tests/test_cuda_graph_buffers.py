@@ -36,7 +36,7 @@ def test_padding_rows_write_no_slot_and_read_nothing():
     buf = DecodeBuffers(max_num_seqs=16, max_blocks_per_seq=4, device=torch.device("cpu"))
     size = buf.load(decode_inputs([5, 6, 7], [3, 9, 0], [3, 41, 16], [4, 10, 1], [[0], [2, 1], [1]]))
     assert size == 4
-    ids, positions, ctx = buf.inputs(size, ops=None)
+    ids, positions, ctx = buf.inputs(size, backend=None)
     assert ids.tolist() == [5, 6, 7, 0] and positions.tolist() == [3, 9, 0, 0]
     assert ctx.slot_mapping.tolist() == [3, 41, 16, -1]
     assert ctx.seq_lens.tolist() == [4, 10, 1, 0]
