@@ -13,6 +13,7 @@ import bisect
 import torch
 
 from engine.models.llama import AttnContext
+from engine.staging import Staging
 from engine.step_inputs import StepInputs
 from kernels import Backend
 
@@ -48,14 +49,15 @@ class DecodeBuffers:
     def max_size(self) -> int:
         return self.sizes[-1]
 
-    def load(self, inputs: StepInputs) -> int:
-        """Copy a decode step's inputs in and pad them; -> the padded batch size to run."""
+    def load(self, inputs: StepInputs, staging: Staging) -> int:
+        """Copy a decode step's inputs in (through `staging`: no copy waits) and pad them; -> the padded batch size
+        to run."""
         n = len(inputs.input_ids)
         size = padded_size(n, self.sizes)
-        self.input_ids[:n].copy_(torch.from_numpy(inputs.input_ids), non_blocking=True)
-        self.positions[:n].copy_(torch.from_numpy(inputs.positions), non_blocking=True)
-        self.slot_mapping[:n].copy_(torch.from_numpy(inputs.slots), non_blocking=True)
-        self.seq_lens[:n].copy_(torch.from_numpy(inputs.seq_lens), non_blocking=True)
+        staging.copy_into(self.input_ids[:n], "input_ids", inputs.input_ids)
+        staging.copy_into(self.positions[:n], "positions", inputs.positions)
+        staging.copy_into(self.slot_mapping[:n], "slots", inputs.slots)
+        staging.copy_into(self.seq_lens[:n], "seq_lens", inputs.seq_lens)
         # Padding rows: no slot written, no key read. Columns past a row's own blocks keep older entries:
         # attention never reads past seq_lens.
         self.slot_mapping[n:size].fill_(-1)
@@ -63,7 +65,7 @@ class DecodeBuffers:
         self.input_ids[n:size].fill_(0)
         self.positions[n:size].fill_(0)
         width = inputs.block_table.shape[1]
-        self.block_table[:n, :width].copy_(torch.from_numpy(inputs.block_table), non_blocking=True)
+        staging.copy_into(self.block_table[:n, :width], "block_table", inputs.block_table)
         return size
 
     def inputs(self, size: int, backend: Backend) -> tuple[torch.Tensor, torch.Tensor, AttnContext]:

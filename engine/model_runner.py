@@ -17,6 +17,7 @@ from engine.models.llama import SUPPORTED_ARCHS, AttnContext, LlamaForCausalLM
 from engine.packed_linear import PanelLinear, pack_linears
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import SchedulerOutput
+from engine.staging import Staging
 from engine.stats import StepTimes
 from engine.step_inputs import Feed, StepInputs
 from kernels import build, get_backend
@@ -91,6 +92,7 @@ class ModelRunner:
         self._last_seqs: list | None = None  # the previous step's sequences and inputs (see _steady_after)
         self._last_inputs: StepInputs | None = None
         self.decode_buffers: DecodeBuffers | None = None
+        self.staging = Staging(self.device)  # a step's host-to-device copies, none of which waits
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.graph_safe:
             self.use_padded_decode(capture=True)
@@ -144,14 +146,12 @@ class ModelRunner:
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
 
     def _tensors(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttnContext]:
-        dev = self.device
-
-        def t(x):
-            return torch.from_numpy(x).to(dev, non_blocking=True)
-
-        ctx = AttnContext(slot_mapping=t(inputs.slots), query_start_loc=t(inputs.query_start_loc),
-                          seq_lens=t(inputs.seq_lens), block_table=t(inputs.block_table), backend=self.backend)
-        return t(inputs.input_ids), t(inputs.positions), ctx
+        stage = self.staging.to_device
+        ctx = AttnContext(slot_mapping=stage("slots", inputs.slots),
+                          query_start_loc=stage("query_start_loc", inputs.query_start_loc),
+                          seq_lens=stage("seq_lens", inputs.seq_lens),
+                          block_table=stage("block_table", inputs.block_table), backend=self.backend)
+        return stage("input_ids", inputs.input_ids), stage("positions", inputs.positions), ctx
 
     @torch.inference_mode()
     def run(self, batch: SchedulerOutput, sampling: SamplingBatch, feed: Feed | None = None
@@ -162,10 +162,11 @@ class ModelRunner:
         inputs = step_inputs.build(batch, self.tables.array, self.config.block_size, self._steady_after(batch),
                                    feed is not None and feed.every_row)
         self._last_seqs, self._last_inputs = batch.seqs, inputs
+        self.staging.next_step()
         buffers = self.decode_buffers
         padded = buffers is not None and inputs.decode_only and len(batch.seqs) <= buffers.max_size
         if padded:
-            size = buffers.load(inputs)
+            size = buffers.load(inputs, self.staging)
             input_ids = buffers.input_ids
         else:
             input_ids, positions, ctx = self._tensors(inputs)
@@ -173,8 +174,8 @@ class ModelRunner:
             input_ids[: len(feed.tokens)].copy_(feed.tokens)
         elif feed is not None:
             # A fed row has one new token, so its token row is where its query starts.
-            rows = torch.from_numpy(inputs.query_start_loc[feed.rows].astype(np.int64)).to(self.device)
-            input_ids[rows] = feed.tokens[torch.from_numpy(feed.sources).to(self.device)]
+            rows = self.staging.to_device("fed_rows", inputs.query_start_loc[feed.rows].astype(np.int64))
+            input_ids[rows] = feed.tokens[self.staging.to_device("fed_sources", feed.sources)]
         self.times.lap("prepare")
         if padded:
             hidden = self.graphs.replay(size) if self.graphs is not None else self.model(*buffers.inputs(size, self.backend))
@@ -183,9 +184,14 @@ class ModelRunner:
         self.times.lap("forward")
         if not len(inputs.sample_rows):
             return torch.empty(0, dtype=torch.long, device=self.device), torch.empty(0)
-        # Logits only where a token is sampled, never for the rest of a prompt.
-        logits = self._logits(hidden[torch.from_numpy(inputs.sample_rows).to(self.device)])
-        tokens, logprobs = sample(logits, sampling, self.backend.argmax)
+        # Logits only where a token is sampled, never for the rest of a prompt. Decoding, every row samples: the
+        # first rows (of a padded batch) are the ones, with no index to copy.
+        if inputs.decode_only:
+            sampled = hidden[: len(batch.seqs)]
+        else:
+            sampled = hidden[self.staging.to_device("sample_rows", inputs.sample_rows)]
+        logits = self._logits(sampled)
+        tokens, logprobs = sample(logits, sampling, self.backend.argmax, self.staging)
         del logits, hidden  # freed here, in the phase that made them (a batch's logits can be hundreds of MB)
         self.times.lap("sample")
         return tokens, logprobs

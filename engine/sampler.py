@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.staging import Staging
 from kernels import torch_ops
 
 Argmax = Callable[[torch.Tensor], torch.Tensor]
@@ -41,20 +44,26 @@ def _mix(seed: int, step: int) -> int:
     return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
-def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch, stage: Staging) -> torch.Tensor:
     rows = [i for i, p in enumerate(batch.params) if p.uses_history]
     if not rows:
         return logits
     vocab = logits.shape[-1]
-    dev = logits.device
-    for i in rows:  # rows with penalties are rare; their token histories differ in length anyway
+    # Every penalized row's history in one staged copy each (no per-row tensor from the host, no data-dependent
+    # shape: both would make the host wait on a GPU); a row's counts are a scatter of ones.
+    outputs = [batch.output_ids[i] for i in rows]
+    prompts = [[t for t in batch.prompt_ids[i] if t < vocab] for i in rows]
+    out_ids = stage.to_device("penalty_outputs", np.fromiter(chain.from_iterable(outputs), np.int64))
+    prompt_ids = stage.to_device("penalty_prompts", np.fromiter(chain.from_iterable(prompts), np.int64))
+    out_at, prompt_at = np.cumsum([0, *map(len, outputs)]).tolist(), np.cumsum([0, *map(len, prompts)]).tolist()
+    for r, i in enumerate(rows):  # rows with penalties are rare; their token histories differ in length anyway
         p = batch.params[i]
-        out = torch.tensor(batch.output_ids[i], dtype=torch.long, device=dev)
-        counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
+        out = out_ids[out_at[r]: out_at[r + 1]]
+        counts = torch.zeros(vocab, dtype=logits.dtype, device=logits.device)
+        counts.scatter_add_(0, out, torch.ones(out.shape, dtype=logits.dtype, device=logits.device))
         if p.repetition_penalty != 1.0:
             seen = counts > 0
-            prompt = torch.tensor(batch.prompt_ids[i], dtype=torch.long, device=dev)
-            seen[prompt[prompt < vocab]] = True
+            seen[prompt_ids[prompt_at[r]: prompt_at[r + 1]]] = True
             row = logits[i]
             penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             logits[i] = torch.where(seen, penalized, row)
@@ -65,42 +74,43 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    for i, p in enumerate(batch.params):
-        if p.min_tokens and batch.steps[i] < p.min_tokens:
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(batch.eos_ids or []))
-            if banned:
-                logits[i, banned] = float("-inf")
+def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch, stage: Staging) -> torch.Tensor:
+    banned = [(i, t) for i, p in enumerate(batch.params) if p.min_tokens and batch.steps[i] < p.min_tokens
+              for t in [*p.stop_token_ids, *([] if p.ignore_eos else batch.eos_ids or [])]]
+    if banned:
+        at = stage.to_device("min_tokens", np.array(banned, dtype=np.int64).T.copy())
+        logits[at[0], at[1]] = float("-inf")
     return logits
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, argmax: Argmax = torch_ops.argmax
+def sample(logits: torch.Tensor, batch: SamplingBatch, argmax: Argmax = torch_ops.argmax, stage: Staging | None = None
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [S, V] in the model's dtype -> (token ids [S], logprobs of the raw distribution [S, V] or empty).
-    Everything but a plain argmax runs in float32. `argmax`: each row's first maximum (a backend's kernel)."""
+    Everything but a plain argmax runs in float32. `argmax`: each row's first maximum (a backend's kernel). `stage`:
+    how per-row settings reach the device (the runner's, whose copies never make the host wait)."""
     if batch.greedy_only:  # float32 holds every bfloat16 / float16 value exactly: the same first maximum, no copy
         return argmax(logits), torch.empty(0)
+    stage = stage or Staging(logits.device)
     logits = logits.float()
     want_logprobs = any(p.logprobs is not None for p in batch.params)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else torch.empty(0)
-    logits = apply_min_tokens(apply_penalties(logits, batch), batch)
+    logits = apply_min_tokens(apply_penalties(logits, batch, stage), batch, stage)
     greedy = argmax(logits)
     random_rows = [i for i, p in enumerate(batch.params) if p.temperature > 0]
     if not random_rows:
         return greedy, raw_logprobs
     params = [batch.params[i] for i in random_rows]
-    dev = logits.device
-    rows = torch.tensor(random_rows, device=dev)
-    x = logits[rows] / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    rows = stage.to_device("random_rows", np.array(random_rows, dtype=np.int64))
+    x = logits[rows] / _per_row(stage, "temperature", [p.temperature for p in params])[:, None]
     if any(p.top_k for p in params) or any(p.top_p < 1 for p in params):
-        x = _top_k_top_p(x, params)
+        x = _top_k_top_p(x, params, stage)
     probs = torch.softmax(x, dim=-1)
     if any(p.min_p > 0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
+        min_p = _per_row(stage, "min_p", [p.min_p for p in params])[:, None]
         probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
     # Exponential race: argmax(p / E), E ~ Exp(1), picks token t with probability p_t.
     noise = torch.empty_like(probs)
-    gen = torch.Generator(device=dev)
+    gen = torch.Generator(device=logits.device)
     for j, i in enumerate(random_rows):
         gen.manual_seed(_mix(batch.seeds[i], batch.steps[i]))
         noise[j].exponential_(generator=gen)
@@ -109,14 +119,18 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, argmax: Argmax = torch_op
     return greedy, raw_logprobs
 
 
-def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    dev = x.device
+def _per_row(stage: Staging, name: str, values: list[float]) -> torch.Tensor:
+    """A float32 setting per row on the device (float32, as torch.tensor makes Python floats)."""
+    return stage.to_device(name, np.array(values, dtype=np.float32))
+
+
+def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams], stage: Staging) -> torch.Tensor:
     vocab = x.shape[-1]
     sorted_x, order = x.sort(dim=-1, descending=True)
-    top_k = torch.tensor([p.top_k if p.top_k else vocab for p in params], device=dev)
-    ranks = torch.arange(vocab, device=dev)[None, :]
+    top_k = stage.to_device("top_k", np.array([p.top_k if p.top_k else vocab for p in params], dtype=np.int64))
+    ranks = torch.arange(vocab, device=x.device)[None, :]
     drop = ranks >= top_k[:, None]
-    top_p = torch.tensor([p.top_p for p in params], device=dev)
+    top_p = _per_row(stage, "top_p", [p.top_p for p in params])
     probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
     # Keep the smallest prefix whose mass reaches top_p; the first token is always kept.
     before = probs.cumsum(dim=-1) - probs

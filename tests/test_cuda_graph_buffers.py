@@ -6,6 +6,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.decode_buffers import DecodeBuffers, padded_size, padded_sizes
+from engine.staging import Staging
 from engine.step_inputs import StepInputs
 
 PROMPTS = ["Hello there, how are you?", "The capital of France is", "a", "Q: What is 2 + 2?\nA:",
@@ -34,7 +35,8 @@ def decode_inputs(ids, positions, slots, seq_lens, tables) -> StepInputs:
 
 def test_padding_rows_write_no_slot_and_read_nothing():
     buf = DecodeBuffers(max_num_seqs=16, max_blocks_per_seq=4, device=torch.device("cpu"))
-    size = buf.load(decode_inputs([5, 6, 7], [3, 9, 0], [3, 41, 16], [4, 10, 1], [[0], [2, 1], [1]]))
+    staging = Staging(torch.device("cpu"), copies=True)  # the CUDA path's copies, run on the CPU
+    size = buf.load(decode_inputs([5, 6, 7], [3, 9, 0], [3, 41, 16], [4, 10, 1], [[0], [2, 1], [1]]), staging)
     assert size == 4
     ids, positions, ctx = buf.inputs(size, backend=None)
     assert ids.tolist() == [5, 6, 7, 0] and positions.tolist() == [3, 9, 0, 0]
@@ -43,8 +45,8 @@ def test_padding_rows_write_no_slot_and_read_nothing():
     assert ctx.query_start_loc.tolist() == [0, 1, 2, 3, 4]
     assert ctx.block_table[:3, :2].tolist() == [[0, 0], [2, 1], [1, 0]]
     # A smaller batch later: the rows it no longer uses become padding again.
-    assert buf.load(decode_inputs([9], [4], [4], [5], [[0]])) == 1
-    buf.load(decode_inputs([1, 2], [1, 1], [1, 17], [2, 2], [[0], [1]]))
+    assert buf.load(decode_inputs([9], [4], [4], [5], [[0]]), staging) == 1
+    buf.load(decode_inputs([1, 2], [1, 1], [1, 17], [2, 2], [[0], [1]]), staging)
     assert buf.inputs(2, None)[2].slot_mapping.tolist() == [1, 17]
 
 
@@ -58,8 +60,8 @@ def count_padded_steps(engine) -> list[int]:
     sizes = []
     orig = engine.runner.decode_buffers.load
 
-    def spy(inputs):
-        size = orig(inputs)
+    def spy(inputs, staging):
+        size = orig(inputs, staging)
         sizes.append(size)
         return size
 
