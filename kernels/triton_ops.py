@@ -28,6 +28,7 @@ NEG = tl.constexpr(-1.0e30)
 MAX_SEGMENTS = 16
 # A split-K segment is worth its merge only above this many context tokens.
 MIN_SEGMENT_TOKENS = 256
+LENS_TILE = tl.constexpr(128)  # sequence lengths read per step of _longest
 
 
 @triton.jit
@@ -72,11 +73,29 @@ def _find_seq(qsl_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
     return lo
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_segments", "table_stride"])
+@triton.jit
+def _longest(lens_ptr, num_seqs):
+    """The batch's longest sequence (tokens in the cache)."""
+    longest = tl.load(lens_ptr) * 0
+    for start in range(0, num_seqs, LENS_TILE):
+        offs = start + tl.arange(0, LENS_TILE)
+        longest = tl.maximum(longest, tl.max(tl.load(lens_ptr + offs, mask=offs < num_seqs, other=0), 0))
+    return longest
+
+
+@triton.jit
+def _active_segments(lens_ptr, num_seqs, num_segments, min_segment_tokens):
+    """Split-K segments this step uses: at most the launch's (shapes alone chose those, so that a CUDA graph keeps
+    its grid), and no more than the batch's longest context fills at min_segment_tokens each. Read from the lengths
+    on the device, so a graph replayed over short contexts splits them no further than they need."""
+    return tl.minimum(num_segments, tl.maximum(1, _longest(lens_ptr, num_seqs) // min_segment_tokens))
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_segments", "min_segment_tokens", "table_stride"])
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr,
     qsl_ptr, lens_ptr, table_ptr,
-    scale_log2, num_seqs, num_segments,
+    scale_log2, num_seqs, num_segments, min_segment_tokens,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     table_stride,
@@ -117,7 +136,12 @@ def _attention_kernel(
     # Keys this tile can see end at its last token's position; split-K gives each segment a run of KV tiles.
     kv_end = cached + tl.minimum((tile + 1) * BLOCK_Q, q_len)
     n_tiles = tl.cdiv(kv_end, BLOCK_N)
-    per_seg = tl.cdiv(n_tiles, num_segments)
+    active = 1
+    if SPLIT:
+        active = _active_segments(lens_ptr, num_seqs, num_segments, min_segment_tokens)
+        if seg >= active:  # a segment this step does not use: the merge never reads its slot
+            return
+    per_seg = tl.cdiv(n_tiles, active)
     lo = seg * per_seg
     hi = tl.minimum(lo + per_seg, n_tiles)
 
@@ -166,16 +190,17 @@ def _attention_kernel(
         tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_segments"])
+@triton.jit(do_not_specialize=["num_seqs", "num_segments", "min_segment_tokens"])
 def _merge_kernel(
-    ws_acc_ptr, ws_m_ptr, ws_l_ptr, out_ptr, num_segments, stride_ot, stride_oh,
+    ws_acc_ptr, ws_m_ptr, ws_l_ptr, out_ptr, lens_ptr, num_seqs, num_segments, min_segment_tokens,
+    stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SEGMENTS_CAP: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, SEGMENTS_CAP)
     offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < num_segments
+    s_ok = offs_s < _active_segments(lens_ptr, num_seqs, num_segments, min_segment_tokens)
     d_ok = offs_d < HEAD_DIM
     base = (t * NUM_HEADS + h) * SEGMENTS_CAP + offs_s
     m = tl.load(ws_m_ptr + base, mask=s_ok, other=NEG)
@@ -223,7 +248,8 @@ def paged_attention(
     segments = 1
     if num_tokens == num_seqs > 0:  # every sequence brings one token (each brings at least one): decode only
         segments = num_segments(num_seqs, k_cache.shape[2], block_table.shape[1] * k_cache.shape[1], q.device)
-    return attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, segments)
+    return attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, segments,
+                     MIN_SEGMENT_TOKENS)
 
 
 def attention(
@@ -235,8 +261,11 @@ def attention(
     block_table: torch.Tensor,
     scale: float,
     segments: int = 1,
+    min_segment_tokens: int = 1,
 ) -> torch.Tensor:
-    """paged_attention with the split-K segment count chosen by the caller (> 1 only for decode-only batches)."""
+    """paged_attention with the split-K segment count chosen by the caller (> 1 only for decode-only batches): the
+    launch's; each step uses as many of them as the batch's longest context fills at min_segment_tokens each (1: as
+    many as it has tokens, so a caller's count holds)."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = block_table.shape[0]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -261,7 +290,7 @@ def attention(
     _attention_kernel[(tiles, num_kv_heads, segments)](
         q, k_cache, v_cache, out, ws_acc, ws_m, ws_l,
         query_start_loc, seq_lens, block_table,
-        scale * 1.4426950408889634, num_seqs, segments,
+        scale * 1.4426950408889634, num_seqs, segments, min_segment_tokens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -273,7 +302,7 @@ def attention(
     )
     if split:
         _merge_kernel[(num_tokens, num_heads)](
-            ws_acc, ws_m, ws_l, out, segments, out.stride(0), out.stride(1),
+            ws_acc, ws_m, ws_l, out, seq_lens, num_seqs, segments, min_segment_tokens, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, SEGMENTS_CAP=MAX_SEGMENTS,
         )
     return out
@@ -289,8 +318,9 @@ def tiles_for(group: int, head_dim: int, decode: bool) -> tuple[int, int, int, i
 
 
 def num_segments(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Split-K segments for a decode batch, from shapes only: enough programs to fill the GPU twice over, each
-    segment at least MIN_SEGMENT_TOKENS of the longest possible context (the block table's width)."""
+    """Split-K segments a decode batch launches with, from shapes only: enough programs to fill the GPU twice over,
+    each segment at least MIN_SEGMENT_TOKENS of the longest possible context (the block table's width). The kernel
+    then uses no more of them than the batch's longest context fills (_active_segments)."""
     programs = max(1, num_seqs * num_kv_heads)
     want = -(-2 * _num_sms(device) // programs)
     fits = max(1, max_context // MIN_SEGMENT_TOKENS)

@@ -68,6 +68,39 @@ def test_split_k_is_for_decode_only():
         attend(triton_ops, b, segments=2)
 
 
+def test_split_k_uses_no_more_segments_than_the_longest_context_fills():
+    # Short contexts behind a wide block table (a graph's decode batch): the launch's segments come from shapes,
+    # but only the first does work, and no merge reads the others' slots.
+    b = random_batch(8, 2, 64, 16, [(40, 1), (5, 1), (90, 1)], torch.float32, num_blocks=2048)
+    b["block_table"] = torch.cat([b["block_table"], b["block_table"].new_zeros(3, 1024)], dim=1)  # 16k tokens wide
+    cap = triton_ops.num_segments(3, 2, b["block_table"].shape[1] * 16, torch.device("cpu"))
+    assert cap > 1
+    triton_ops.store_kv(b["k"], b["v"], b["k_cache"], b["v_cache"], b["slot_mapping"])
+    ws = triton_ops._workspace(3 * 8 * triton_ops.MAX_SEGMENTS, 64, torch.device("cpu"))
+    for part in ws:
+        part.fill_(float("nan"))
+    assert rel_err(attend(triton_ops, b), oracle(b)) < 1e-5
+    slots = ws[1][: 3 * 8 * triton_ops.MAX_SEGMENTS].view(3 * 8, triton_ops.MAX_SEGMENTS)
+    assert not slots[:, 0].isnan().any() and slots[:, 1:].isnan().all()
+    # The same batch with a long sequence in it splits again.
+    long = random_batch(8, 2, 64, 16, [(40, 1), (1500, 1)], torch.float32, num_blocks=2048, seed=2)
+    triton_ops.store_kv(long["k"], long["v"], long["k_cache"], long["v_cache"], long["slot_mapping"])
+    for part in ws:
+        part.fill_(float("nan"))
+    assert rel_err(attend(triton_ops, long), oracle(long)) < 1e-5
+    assert not ws[1][: 2 * 8 * triton_ops.MAX_SEGMENTS].view(16, -1)[:, 1].isnan().any()
+
+
+@pytest.mark.parametrize("segments", [3, 16])
+def test_split_k_gives_padding_rows_zeros(segments):
+    # A graph's padded decode batch with split-K: rows of length 0 read nothing and get zeros.
+    b = random_batch(8, 2, 64, 16, [(600, 1), (7, 1)], torch.float32)
+    triton_ops.store_kv(b["k"], b["v"], b["k_cache"], b["v_cache"], b["slot_mapping"])
+    pad = with_padding_rows(b, 3)
+    got = attend(triton_ops, pad, segments=segments)
+    assert rel_err(got[:2], oracle(b)) < 1e-5 and torch.equal(got[2:], torch.zeros_like(got[2:]))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_large_cache_with_block_ids_near_the_top(dtype):
     # 33,000 blocks, all used ones above 32,768, small other dims; long decodes take the automatic split-K path.
