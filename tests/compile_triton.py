@@ -1,69 +1,200 @@
-"""Compile every Triton kernel variant for a GPU target without a GPU (Triton ships ptxas): catches what the
-interpreter lets through and the compiler refuses (a tl.dot under 16, a non-constexpr global, a type error).
+"""Compile every Triton kernel variant as a launch on an H100/H200 specializes it, without a GPU, and report what
+each one uses: registers and spill stores/loads (Triton's bundled `ptxas -v`), shared memory (the compiled
+kernel's metadata) and whether the loads were pipelined (cp.async in the PTX).
 
-`TRITON_INTERPRET=0 python3 tests/compile_triton.py [--arch 90]` prints one line per variant; exit status 1 on the
-first failure.
+The launches are recorded, not run: kernels.triton_ops' store_kv, paged_attention and attention are called on CPU
+tensors of real shapes with every @triton.jit kernel of the module swapped for a recorder. Triton's own launch
+binder then specializes each recorded launch as the JIT does (pointers 16-byte aligned and integers divisible by
+16 marked as such, integers equal to 1 made constants), so the compiled code is the code that runs; compiled
+without those hints a kernel has no cp.async pipelining and a fraction of the shared memory.
+
+`TRITON_INTERPRET=0 python3 tests/compile_triton.py [--arch 90] [--json PATH]` prints a table; exit status 1 when a
+variant does not compile. tests/test_triton_kernels.py runs it and holds bf16/fp16 to no spills.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# (Hq, Hkv, head_dim, block_size, dtype): SmolLM2's shape in bf16, a Llama-8B-like one, fp32 through the IEEE path
-SHAPES = [(9, 3, 64, 16, "bf16"), (32, 8, 128, 32, "bf16"), (5, 1, 128, 16, "fp32")]
+# (Hq, Hkv, head_dim, block_size, dtypes): SmolLM2-135M, a Llama-3-8B-like layout, and head_dim 256.
+SHAPES = [(9, 3, 64, 16, ("bf16", "fp16", "fp32")),
+          (32, 8, 128, 16, ("bf16", "fp16", "fp32")),
+          (16, 4, 256, 16, ("bf16", "fp32"))]
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def variants():
+class _Recorder:
+    """Stands in for a JITFunction: `kernel[grid](*args, **kwargs)` records the launch instead of running it."""
+
+    def __init__(self, fn, launches: list) -> None:
+        self.fn = fn
+        self.launches = launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((self.fn, args, kwargs))
+
+
+@contextlib.contextmanager
+def recording(module):
+    """Every @triton.jit function of `module` replaced by a recorder while inside; yields the launches."""
+    from triton.runtime.jit import JITFunction
+
+    launches: list = []
+    kernels = {name: fn for name, fn in vars(module).items() if isinstance(fn, JITFunction)}
+    for name, fn in kernels.items():
+        setattr(module, name, _Recorder(fn, launches))
+    try:
+        yield launches
+    finally:
+        for name, fn in kernels.items():
+            setattr(module, name, fn)
+
+
+def shape_launches(hq: int, hkv: int, d: int, bs: int, dtype_name: str) -> list:
+    """The kernel launches of one layer's store_kv and attention for a decode batch (one segment, and split-K over
+    a long block table, as CUDA-graph decode runs it) and a mixed prefill + decode batch."""
+    import torch
+
+    from kernels import triton_ops
+
+    dtype = getattr(torch, DTYPES[dtype_name])
+    cache = torch.zeros(64, bs, hkv, d, dtype=dtype)
+
+    def batch(q_lens, lens, width):
+        q = torch.zeros(sum(q_lens), hq, d, dtype=dtype)
+        qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        return q, qsl, torch.tensor(lens, dtype=torch.int32), torch.zeros(len(q_lens), width, dtype=torch.int32)
+
+    with recording(triton_ops) as launches:
+        # k and v as the model passes them: v a view into the fused qkv projection, k the rotary's fresh tensor
+        qkv = torch.zeros(8, hq + 2 * hkv, d, dtype=dtype)
+        triton_ops.store_kv(qkv[:, hq:hq + hkv].contiguous(), qkv[:, hq + hkv:], cache, cache.clone(),
+                            torch.arange(8, dtype=torch.int64))
+        q, qsl, lens, table = batch([1] * 4, [40] * 4, 4)  # short block table: one segment
+        triton_ops.paged_attention(q, cache, cache, qsl, lens, table, d**-0.5)
+        q, qsl, lens, table = batch([1] * 4, [40] * 4, 4096 // bs)  # a graph's wide table: split-K and the merge
+        assert triton_ops.num_segments(4, hkv, 4096, q.device) > 1
+        triton_ops.paged_attention(q, cache, cache, qsl, lens, table, d**-0.5)
+        q, qsl, lens, table = batch([37, 1, 20], [37, 50, 60], 8)  # mixed: prefill, decode, chunk behind a prefix
+        triton_ops.paged_attention(q, cache, cache, qsl, lens, table, d**-0.5)
+    return launches
+
+
+def specialize(fn, args, kwargs, backend):
+    """(signature, constexprs, attrs, options) of a launch, from Triton's own launch binder."""
+    from triton.runtime.jit import create_function_from_signature
+
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    return fn._pack_args(backend, options, bound, specialization, options)
+
+
+def _ptxas() -> str:
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        return get_ptxas(90).path
+    except (ImportError, AttributeError, TypeError):
+        import triton
+
+        return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas")
+
+
+def ptxas_usage(ptx: str, arch: str, fp_fusion: bool) -> dict:
+    """Registers, spill bytes and stack frame of the kernel in `ptx`, from `ptxas -v` with the flags Triton uses."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        cmd = [_ptxas(), "-lineinfo", *([] if fp_fusion else ["--fmad=false"]), "-v", "--regAllocOptLevel=2",
+               f"--gpu-name={arch}", str(src), "-o", str(src.with_suffix(".o"))]
+        log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if not regs or not frame:
+        raise RuntimeError(f"unexpected ptxas -v output:\n{log}")
+    return {"registers": int(regs[1]), "stack_frame": int(frame[1]), "spill_stores": int(frame[2]),
+            "spill_loads": int(frame[3])}
+
+
+def _name(fn, constexprs: dict, dtype: str, shape: str) -> str:
+    c = {fn.arg_names[k[0]]: v for k, v in constexprs.items() if fn.arg_names[k[0]].isupper()}
+    if fn.__name__ == "_attention_kernel":
+        kind = "split-K" if c["SPLIT"] else "decode" if c["DECODE"] else "mixed"
+        tiles = f"M{c['BLOCK_M']} N{c['BLOCK_N']} D{c['BLOCK_D']}"
+        return f"attention {kind:7s} {shape} {dtype} ({tiles})"
+    return f"{fn.__name__.strip('_').removesuffix('_kernel')} {shape} {dtype}"
+
+
+def compile_all(arch: int = 90, echo=print) -> list[dict]:
+    """Compile every distinct variant of SHAPES' launches -> one row per variant (name, usage); raises on the
+    first variant that does not compile."""
     import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
 
-    from kernels import triton_ops as k
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    arch_name = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+    rows, seen = [], set()
+    for hq, hkv, d, bs, dtypes in SHAPES:
+        for dt in dtypes:
+            for fn, args, kwargs in shape_launches(hq, hkv, d, bs, dt):
+                options, signature, constexprs, attrs = specialize(fn, args, kwargs, backend)
+                key = (fn.__name__, str(signature), str(sorted(constexprs.items())), str(sorted(attrs.items())))
+                if key in seen:
+                    continue
+                seen.add(key)
+                name = _name(fn, constexprs, dt, f"{hq}/{hkv}x{d} bs{bs}")
+                try:
+                    k = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                                       options=options.__dict__)
+                except Exception as e:
+                    raise RuntimeError(f"{name}: {e}") from e
+                ptx = k.asm["ptx"]
+                row = {"variant": name, "kernel": fn.__name__, "dtype": dt, "head_dim": d,
+                       **ptxas_usage(ptx, arch_name, options.enable_fp_fusion),
+                       "shared_bytes": k.metadata.shared, "cp_async": "cp.async" in ptx,
+                       "hinted_args": sum(1 for v in attrs.values() if v)}
+                rows.append(row)
+                echo(_line(row))
+    return rows
 
-    for hq, hkv, d, bs, dt in SHAPES:
-        p = "*" + dt
-        group = hq // hkv
-        for decode, split in ((True, False), (True, True), (False, False)):
-            block_m, block_q, block_n, block_d = k.tiles_for(group, d, decode)
-            consts = dict(NUM_HEADS=hq, GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=bs, BLOCK_M=block_m,
-                          BLOCK_Q=block_q, BLOCK_N=block_n, SEGMENTS_CAP=k.MAX_SEGMENTS, DECODE=decode,
-                          SPLIT=split, IEEE=dt == "fp32")
-            types = dict(q_ptr=p, k_ptr=p, v_ptr=p, out_ptr=p, ws_acc_ptr="*fp32", ws_m_ptr="*fp32",
-                         ws_l_ptr="*fp32", qsl_ptr="*i32", lens_ptr="*i32", table_ptr="*i32", scale_log2="fp32")
-            yield f"attention {hq}/{hkv}x{d} bs{bs} {dt} decode={decode} split={split}", k._attention_kernel, \
-                types, consts
-        yield f"merge {hq}x{d} {dt}", k._merge_kernel, \
-            dict(ws_acc_ptr="*fp32", ws_m_ptr="*fp32", ws_l_ptr="*fp32", out_ptr=p), \
-            dict(NUM_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d, SEGMENTS_CAP=k.MAX_SEGMENTS)
-        yield f"store_kv {hkv}x{d} bs{bs} {dt}", k._store_kv_kernel, \
-            dict(k_ptr=p, v_ptr=p, kc_ptr=p, vc_ptr=p, slot_ptr="*i64"), \
-            dict(NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=block_d, BLOCK_SIZE=bs)
+
+HEADER = f"{'variant':58s} {'regs':>4s} {'spill st/ld':>13s} {'stack':>6s} {'smem':>7s} cp.async"
+
+
+def _line(r: dict) -> str:
+    spill = f"{r['spill_stores']}/{r['spill_loads']}"
+    return (f"{r['variant']:58s} {r['registers']:4d} {spill:>13s} {r['stack_frame']:6d} {r['shared_bytes']:7d} "
+            f"{'yes' if r['cp_async'] else 'no'}")
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for H100/H200")
+    ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("set TRITON_INTERPRET=0: the interpreter does not compile")
         return 2
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    target = GPUTarget("cuda", args.arch, 32)
-    for name, fn, types, consts in variants():
-        sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
-        try:
-            triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target,
-                           options={"num_warps": 4})
-        except Exception as e:  # noqa: BLE001 (report which variant, then fail)
-            print(f"FAIL {name}: {e}")
-            return 1
-        print(f"ok   {name}")
+    print(HEADER)
+    try:
+        rows = compile_all(args.arch)
+    except RuntimeError as e:
+        print(f"FAIL {e}")
+        return 1
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     return 0
 
 
