@@ -83,3 +83,67 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     if not torch.isfinite(out).all():
         return float("inf")
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+# ---- host-side oracles that share nothing with the ops under test (pagedq gpu-check) ----
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a floating tensor as integers of the same width: equal bits compare equal, NaN included."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def new_token_slots(batch: dict) -> list[tuple[int, int, int]]:
+    """(row of k/v, block, offset) for every new token of a paged batch, from its block table, query starts and
+    sequence lengths alone (not its slot_mapping): sequence b's i-th new token sits at position
+    seq_lens[b] - q_len_b + i, in block block_table[b, position // block_size]."""
+    bs = batch["k_cache"].shape[1]
+    starts = batch["query_start_loc"].tolist()
+    table = batch["block_table"].tolist()
+    out = []
+    for b, total in enumerate(batch["seq_lens"].tolist()):
+        n = starts[b + 1] - starts[b]
+        for i in range(n):
+            pos = total - n + i
+            out.append((starts[b] + i, table[b][pos // bs], pos % bs))
+    return out
+
+
+def expected_caches(before: tuple[torch.Tensor, torch.Tensor], batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caches on the host as store_kv must leave them: `before` (host copies taken before the store, not views
+    of the caches) with every new token's k and v written where new_token_slots puts it, and nothing else changed."""
+    k_cache, v_cache = before[0].clone(), before[1].clone()
+    k, v = batch["k"].cpu().to(k_cache.dtype), batch["v"].cpu().to(v_cache.dtype)
+    for row, block, offset in new_token_slots(batch):
+        k_cache[block, offset] = k[row]
+        v_cache[block, offset] = v[row]
+    return k_cache, v_cache
+
+
+def dense_attention(batch: dict, k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """Causal attention per sequence on the host in float64, each sequence's keys gathered through its block table
+    (from k_cache/v_cache when given, e.g. expected_caches' result, else the batch's own). A row with nothing to
+    see (a padding row: seq_len 0) gets zeros. -> [T, Hq, D] float64 on the host."""
+    k_cache = (batch["k_cache"] if k_cache is None else k_cache).cpu()
+    v_cache = (batch["v_cache"] if v_cache is None else v_cache).cpu()
+    q = batch["q"].cpu().double()
+    bs = k_cache.shape[1]
+    flat_k, flat_v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+    table = batch["block_table"].cpu().long()
+    starts = batch["query_start_loc"].tolist()
+    out = torch.zeros_like(q)
+    for b, total in enumerate(batch["seq_lens"].tolist()):
+        s, e = starts[b], starts[b + 1]
+        if total == 0 or s == e:
+            continue
+        pos = torch.arange(total)
+        idx = table[b, pos // bs] * bs + pos % bs
+        k, v = flat_k[idx].double(), flat_v[idx].double()
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[s:e], k) * batch["scale"]
+        q_pos = torch.arange(total - (e - s), total)[:, None]
+        scores = scores.masked_fill(pos[None, :] > q_pos, float("-inf"))
+        out[s:e] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out
