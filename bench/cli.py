@@ -103,12 +103,15 @@ def bench(model, device, dtype, workloads, systems, quick, num_requests, hf_sing
 def _gpu_check_options(f):
     # From gpu_check's own table: `python -m bench.gpu_check` makes its argparse options from the same one.
     for flag, default, help in reversed(gpu_check.OPTIONS):
-        f = click.option(flag, default=default, help=help)(f)
+        f = click.option(flag, default=default, help=help, show_default=default is not None)(f)
     return f
 
 
 @click.command("gpu-check")
 @_gpu_check_options
-def gpu_check_command(out, device, sections, model) -> None:
-    """On a GPU: kernel correctness, attention bandwidth, CUDA graphs vs eager, end to end vs transformers."""
-    sys.exit(gpu_check.run(out, device, sections.split(","), model, echo=click.echo))
+def gpu_check_command(**opts) -> None:
+    """On a GPU: kernel correctness, attention bandwidth, CUDA graphs vs eager, end to end vs transformers.
+
+    Exit status: 0 all correct and every target met, 1 a section failed, 3 no CUDA GPU, 4 a target missed or a
+    budget spent before its sweep ended."""
+    sys.exit(gpu_check.run_options(opts, echo=click.echo))
