@@ -7,7 +7,7 @@ PY ?= $(shell if [ -x .venv/bin/python ]; then echo .venv/bin/python; \
 	elif $(SYSTEM_PY) -c 'import os, sys, sysconfig; sys.exit(sys.prefix == sys.base_prefix and os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")))'; \
 	then echo $(SYSTEM_PY); else echo .venv/bin/python; fi)
 
-.PHONY: setup demo test lint bench
+.PHONY: setup demo test lint bench gpu-check-prepare gpu-check
 
 # torch first, pinned: a bare `torch` requirement can pull a multi-GB CUDA build where a CPU one will do.
 setup: $(if $(filter .venv/bin/python,$(PY)),.venv/bin/python)
@@ -38,3 +38,19 @@ lint:
 
 bench: setup
 	$(PY) -m cli bench
+
+# A GPU machine that may be offline, without the model package, redis or click, and with torch, Triton and
+# transformers of its own: `make gpu-check-prepare` here writes what it needs into .gpu-check/ (ignored by git, a few
+# MB: SmolLM2's config and tokenizer, of whose shape gpu-check makes random weights there, and a tiny model); carry
+# that folder along, then `make gpu-check` there runs every section within its budget (about 5 minutes) and writes one
+# JSON ($OUT/gpu-check.json when OUT is set, else gpu-check.json in the pagedq cache). No install: PYTHONPATH.
+GPU_CHECK_DIR ?= .gpu-check
+GPU_CHECK_MODEL ?= $(GPU_CHECK_DIR)/smollm2-135m-instruct-shape
+GPU_PY ?= python3
+
+gpu-check-prepare:
+	$(PY) -m bench.gpu_check --prepare $(GPU_CHECK_DIR)
+
+gpu-check:
+	PYTHONPATH=$(CURDIR) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(GPU_PY) -m bench.gpu_check \
+		--model $(GPU_CHECK_MODEL) $(if $(OUT),--out $(OUT)/gpu-check.json)
