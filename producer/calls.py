@@ -15,9 +15,9 @@ from typing import Any, Generic, Literal, NamedTuple, TypeVar
 from redis.exceptions import ResponseError
 
 from producer import wire
-from producer.errors import DuplicateJobError, JobNotFound, LeaseLost
-from producer.keys import GROUP, Keys
-from producer.protocol import JobRequest, JobResult, Timings
+from producer.errors import DuplicateJobError, JobNotFound, LeaseLost, OwnerFull
+from producer.keys import GROUP, ApiKeyKeys, Keys
+from producer.protocol import JobRequest, JobResult, Timings, Usage
 
 T = TypeVar("T")
 
@@ -55,6 +55,8 @@ def script_error(err: ResponseError, job_id: str = "") -> Exception:
         return not_found(job_id)
     if code == wire.ERR_LEASE_LOST:
         return LeaseLost(f"job {job_id}: this worker no longer holds it ({err})")
+    if code == wire.ERR_FULL:
+        return OwnerFull(str(err).split(" ", 1)[1])
     return err
 
 
@@ -72,10 +74,38 @@ def _done_now(reply: Any) -> bool:
 
 # ---- what a producer calls ----------------------------------------------------------------------------------
 
-def submit(keys: Keys, req: JobRequest) -> Call[str]:
-    """Create the job and queue it. Reply: its stream entry id."""
-    return Call("submit", [keys.job(req.id), keys.result(req.id), keys.jobs],
-                [req.id, req.model_dump_json(exclude_defaults=True), repr(time.time())], _same, req.id)
+@dataclass(frozen=True)
+class Owner:
+    """The API key of `pagedq serve` that submits a job, by its key id. With `cap` set, the job also joins the
+    key's jobs on its queue (Keys.owner_jobs) as "<job id> <charged>", and is refused (OwnerFull) when the key
+    has `cap` of them already (0: no limit); without, it is only named (a batch's job)."""
+
+    key_id: str
+    cap: int | None = None
+    charged: int = 0  # the tokens its admission took from the key's tokens-per-minute bucket
+
+
+def owner_member(job_id: str, charged: int) -> str:
+    """A job's member in Keys.owner_jobs."""
+    return f"{job_id} {charged}"
+
+
+def parse_owner_member(member: str) -> tuple[str, int]:
+    """(job id, tokens charged) of a member of Keys.owner_jobs."""
+    job_id, _, charged = member.rpartition(" ")
+    return job_id, int(charged)
+
+
+def submit(keys: Keys, req: JobRequest, owner: Owner | None = None) -> Call[str]:
+    """Create the job and queue it. Reply: its stream entry id. OwnerFull: the owner's cap is reached."""
+    names = [keys.job(req.id), keys.result(req.id), keys.jobs]
+    args: list[Any] = [req.id, req.model_dump_json(exclude_defaults=True), repr(time.time())]
+    if owner is not None:
+        args.append(owner.key_id)
+        if owner.cap is not None:
+            names.append(keys.owner_jobs(owner.key_id))
+            args += [owner.cap, owner_member(req.id, owner.charged)]
+    return Call("submit", names, args, _same, req.id)
 
 
 def cancel(keys: Keys, job_id: str, ttl: int) -> Call[str]:
@@ -240,3 +270,34 @@ def set_if(key: str, field: str, allowed: Sequence[str], values: dict[str, Any])
     for name, value in values.items():
         args += (name, value)
     return Call("set_if", [key], args, _done_now)
+
+
+# ---- the API keys of `pagedq serve` -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Admission:
+    """limit.lua's reply to "admit": `ok`, else refused by `limit` ("requests" or "tokens") for `wait_ms`
+    (`never`: the charge is more than the key's tokens per minute, so no wait helps)."""
+
+    ok: bool
+    wait_ms: int = 0
+    limit: str = ""
+    never: bool = False
+
+
+def _admission(reply: Sequence) -> Admission:
+    code, wait = int(reply[0]), int(reply[1])
+    return Admission(code == 1, wait, reply[2] if len(reply) > 2 else "", code == -1)
+
+
+def admit(keys: ApiKeyKeys, rpm: int, tpm: int, tokens: int) -> Call[Admission]:
+    """Take one request and `tokens` from the key's buckets (0 per minute: no limit), if they hold them."""
+    return Call("limit", [keys.limits, keys.usage], ["admit", rpm, tpm, tokens], _admission)
+
+
+def settle(keys: ApiKeyKeys, rpm: int, tpm: int, give_back: int, jobs: int, usage: Usage) -> Call[bool]:
+    """Count what `jobs` ended jobs of the key used (`usage`, their sum), and give `give_back` tokens (what they
+    were charged minus what they used; negative: take) back to its bucket. The same limits as admit's."""
+    return Call("limit", [keys.limits, keys.usage],
+                ["settle", rpm, tpm, give_back, jobs, usage.prompt_tokens, usage.completion_tokens,
+                 usage.cached_tokens], lambda reply: int(reply[0]) == 1)

@@ -23,3 +23,7 @@ class JobNotFound(PagedqError):
 
 class LeaseLost(PagedqError):
     """A worker wrote to a job it no longer holds."""
+
+
+class OwnerFull(PagedqError):
+    """The API key that submits a job has as many jobs queued or running on the queue as it may (submit.lua)."""

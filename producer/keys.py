@@ -62,6 +62,12 @@ class Keys:
         """String: the job's final JobResult as JSON, with a TTL."""
         return f"{self.base}:result:{job_id}"
 
+    def owner_jobs(self, key_id: str) -> str:
+        """Sorted set: the jobs an API key of `pagedq serve` has queued or running on this queue, each as
+        "<job id> <tokens charged>" scored by its enqueue time. In the queue's slot, so that submit.lua checks
+        the key's cap and adds the job in one step."""
+        return f"{self.base}:owner:{check_key_id(key_id)}:jobs"
+
 
 # ---- the Batch API (`pagedq serve`, `pagedq batch`): files and batches, not tied to one queue ----------------
 # A batch's jobs may go to several queues (its lines name models, models route to queues), so its own keys
@@ -86,6 +92,16 @@ class BatchKeys:
     files = f"{PREFIX}:files"  # sorted set: file id -> created_at, for listing
     batches = f"{PREFIX}:batches"  # sorted set: batch id -> created_at, for listing
     active = f"{PREFIX}:batches:active"  # set: batches not yet final, which any serve process advances
+
+    @staticmethod
+    def files_of(key_id: str) -> str:
+        """Sorted set: the files an API key owns, file id -> created_at (what that key lists)."""
+        return f"{BatchKeys.files}:owner:{check_key_id(key_id)}"
+
+    @staticmethod
+    def batches_of(key_id: str) -> str:
+        """Sorted set: the batches an API key owns, batch id -> created_at (what that key lists)."""
+        return f"{BatchKeys.batches}:owner:{check_key_id(key_id)}"
 
     @staticmethod
     def file(file_id: str) -> str:
@@ -122,3 +138,32 @@ class BatchKeys:
     def submitting(batch_id: str) -> str:
         """String with a TTL: held by the process that submits the batch's jobs; lapses if it dies."""
         return f"{BatchKeys.batch(batch_id)}:submitting"
+
+
+# ---- the API keys of `pagedq serve`: what each key may still do, and what it did ----------------------------
+# A key is named by its key id (the first 16 hex digits of the SHA-256 of the key, never the key itself). Its
+# own keys share the hash tag `{<key id>}`, so the script that admits its requests (limit.lua) touches one slot.
+
+_KEY_ID_RE = re.compile(r"^[0-9a-f]{16}$")
+
+
+def check_key_id(key_id: str) -> str:
+    if not isinstance(key_id, str) or not _KEY_ID_RE.match(key_id):
+        raise ValueError(f"a key id is 16 lowercase hex digits, got {key_id!r}")
+    return key_id
+
+
+class ApiKeyKeys:
+    """The key names of one API key of `pagedq serve`."""
+
+    index = f"{PREFIX}:keys"  # sorted set: key id -> when a server last loaded it (unix s), for `pagedq usage`
+
+    def __init__(self, key_id: str) -> None:
+        self.key_id = check_key_id(key_id)
+        self.base = f"{PREFIX}:key:{{{key_id}}}"
+        # Hash: the two rate-limit buckets (`req`, `tok`) and when they were last filled (`at`, ms); expires
+        # once full again.
+        self.limits = f"{self.base}:limits"
+        # Hash: `name`, and the counters `requests`, `rate_limited`, `jobs`, `prompt_tokens`,
+        # `completion_tokens`, `cached_tokens`; never expires.
+        self.usage = f"{self.base}:usage"

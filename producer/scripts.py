@@ -7,9 +7,10 @@ import hashlib
 from functools import cache
 from importlib import resources
 
-# A job's life (the JavaScript client runs the same files), then the group's upkeep and the Batch API's store.
+# A job's life (the JavaScript client runs the same files), then the group's upkeep, the Batch API's store and the
+# API keys of `pagedq serve`.
 NAMES = ("submit", "start", "publish", "complete", "fail", "cancel", "renew", "release", "retry", "remove_consumer",
-         "set_if")
+         "set_if", "limit")
 
 
 @cache

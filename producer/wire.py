@@ -32,8 +32,14 @@ F_STARTED_AT = "started_at"  # unix seconds, the worker's clock
 F_EMITTED = "emitted"  # output tokens its event stream holds
 F_CANCEL = "cancel"  # set by a client while it runs: its worker stops it at the next step
 F_LAST_ERROR = "last_error"  # why its last delivery gave it back ("type: message")
+F_OWNER = "owner"  # the key id of the `pagedq serve` API key that submitted it (absent: no key)
 JOB_FIELDS = (F_STATE, F_ENTRY, F_ENQUEUED_AT, F_ATTEMPTS, F_HANDBACKS, F_LEASE, F_LEASE_UNTIL_MS, F_WORKER,
-              F_STARTED_AT, F_EMITTED, F_CANCEL, F_LAST_ERROR)
+              F_STARTED_AT, F_EMITTED, F_CANCEL, F_LAST_ERROR, F_OWNER)
+
+# ---- the hashes of an API key of `pagedq serve` (producer.keys.ApiKeyKeys), written by limit.lua ----
+LIMIT_FIELDS = ("req", "tok", "at")  # its rate-limit buckets (requests, tokens) and when they were last filled
+USAGE_NAME = "name"  # the key's name (written by serve, not a counter)
+USAGE_COUNTERS = ("requests", "rate_limited", "jobs", "prompt_tokens", "completion_tokens", "cached_tokens")
 
 # ---- the event stream pq:{q}:events:<id>: one field holding the event's JSON ----
 EVENT_FIELD = "e"
@@ -53,7 +59,8 @@ ERR_NOT_FOUND = "NOT_FOUND"  # cancel, retry: no such job or dead letter
 ERR_LEASE_LOST = "LEASE_LOST"  # complete, fail, release: the caller no longer holds the job
 ERR_NO_PAYLOAD = "NO_PAYLOAD"  # retry: the dead letter holds no job JSON
 ERR_BUSY = "BUSY"  # retry: a job with this id is live again
-ERRORS = (ERR_DUPLICATE, ERR_NOT_FOUND, ERR_LEASE_LOST, ERR_NO_PAYLOAD, ERR_BUSY)
+ERR_FULL = "FULL"  # submit: the API key that submits it has as many jobs queued or running as it may
+ERRORS = (ERR_DUPLICATE, ERR_NOT_FOUND, ERR_LEASE_LOST, ERR_NO_PAYLOAD, ERR_BUSY, ERR_FULL)
 
 # ---- release modes ----
 HANDBACK = "handback"

@@ -8,6 +8,7 @@ the way the clients and the worker read them. The last test checks that every co
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -20,9 +21,9 @@ import pytest
 from redis.exceptions import ResponseError
 
 from producer import calls, scripts, wire
-from producer.errors import DuplicateJobError, JobNotFound, LeaseLost
-from producer.keys import GROUP, BatchKeys, Keys
-from producer.protocol import JobRequest
+from producer.errors import DuplicateJobError, JobNotFound, LeaseLost, OwnerFull
+from producer.keys import GROUP, ApiKeyKeys, BatchKeys, Keys
+from producer.protocol import JobRequest, Usage
 
 SCRIPTS = Path(scripts.__file__).parent / "scripts"
 COVERAGE_KEY = "pqtest:lua-coverage"
@@ -144,6 +145,28 @@ def test_submit(q):
     assert isinstance(q.run(calls.submit(q.k, JobRequest(id="a", prompt="x"))), DuplicateJobError)
     q.r.set(q.k.result("gone"), "{}")  # finished, its hash expired first: still a duplicate
     assert isinstance(q.run(calls.submit(q.k, JobRequest(id="gone", prompt="x"))), DuplicateJobError)
+
+
+def test_submit_with_an_owner(q):
+    key = "0123456789abcdef"
+    jobs = q.k.owner_jobs(key)
+
+    def submit(job_id: str, cap: int | None, owner: str = key):
+        return q.run(calls.submit(q.k, JobRequest(id=job_id, prompt="x"), calls.Owner(owner, cap, charged=7)))
+
+    submit("batch-line", None)  # named only: a batch's job
+    assert q.r.hget(q.k.job("batch-line"), wire.F_OWNER) == key and not q.r.exists(jobs)
+    submit("free", 0)  # no cap
+    submit("capped", 2)
+    assert sorted(map(calls.parse_owner_member, q.r.zrange(jobs, 0, -1))) == [("capped", 7), ("free", 7)]
+    full = submit("third", 2)
+    assert isinstance(full, OwnerFull) and "has 2 jobs queued or running (the limit is 2)" in str(full)
+    assert not q.r.exists(q.k.job("third")) and q.r.xlen(q.k.jobs) == 3  # nothing written
+    assert isinstance(submit("free", 2), DuplicateJobError)  # a retry is a duplicate, whatever the cap
+    q.r.zrem(jobs, "free 7")  # ended, settled
+    submit("third", 2)
+    submit("nobody", None, owner="")  # an empty owner names none
+    assert q.r.hget(q.k.job("nobody"), wire.F_OWNER) is None
 
 
 # ---- start ----
@@ -336,6 +359,44 @@ def test_set_if(q, queue):
     assert q.r.hgetall(key) == {"status": "cancelling", "cancelling_at": "5"}
 
 
+# ---- limit (an API key's rate limits and usage) ----
+
+def test_limit(q, queue):
+    k = ApiKeyKeys(hashlib.sha256(queue.encode()).hexdigest()[:16])
+
+    def admit(rpm: int, tpm: int, tokens: int) -> calls.Admission:
+        return q.run(calls.admit(k, rpm, tpm, tokens))
+
+    assert admit(0, 0, 50).ok and not q.r.exists(k.limits)  # no limits: counted, no bucket
+    assert all(admit(2, 100, 30).ok for _ in range(2))  # a full bucket: two requests, 60 tokens
+    no = admit(2, 100, 30)  # a request back in 30 s at 2 a minute; the tokens in less
+    assert not no.ok and not no.never and 0 < no.wait_ms <= 30_000 and no.limit == "requests"
+    no = admit(0, 100, 41)  # 40 tokens left: one more comes in 0.6 s
+    assert not no.ok and 0 < no.wait_ms <= 600 and no.limit == "tokens"
+    no = admit(2, 100, 100)  # both short; the tokens take longer (36 s)
+    assert not no.ok and no.wait_ms > 30_000 and no.limit == "tokens"
+    no = admit(2, 100, 45)  # both short; the request takes longer
+    assert not no.ok and no.wait_ms > 25_000 and no.limit == "requests"
+    assert admit(0, 100, 40).ok
+    never = admit(0, 100, 101)
+    assert never == calls.Admission(False, 0, "tokens", True)
+    usage = q.r.hgetall(k.usage)
+    assert (usage["requests"], usage["rate_limited"]) == ("4", "5")
+    # Settling: two jobs charged 60 tokens used 25; 35 go back. A refund past a full bucket stops at full.
+    assert q.run(calls.settle(k, 2, 100, 35, 2, Usage(prompt_tokens=10, completion_tokens=15, cached_tokens=3)))
+    assert float(q.r.hget(k.limits, "tok")) >= 35
+    assert q.run(calls.settle(k, 2, 100, 500, 1, Usage(prompt_tokens=1)))
+    assert float(q.r.hget(k.limits, "tok")) == 100
+    assert q.run(calls.settle(k, 2, 100, -150, 1, Usage()))  # used more than charged: in debt
+    assert not admit(0, 100, 1).ok
+    assert q.run(calls.settle(k, 2, 0, 5, 1, Usage()))  # no token limit: only counted
+    assert q.run(calls.settle(k, 2, 100, 0, 1, Usage(completion_tokens=2)))  # nothing to give back
+    usage = q.r.hgetall(k.usage)
+    assert {f: usage[f] for f in ("jobs", "prompt_tokens", "completion_tokens", "cached_tokens")} == \
+        {"jobs": "6", "prompt_tokens": "11", "completion_tokens": "17", "cached_tokens": "3"}
+    assert 0 < q.r.pttl(k.limits) <= 3_600_000
+
+
 def test_every_branch_ran_both_ways(rds):
     """Runs last in this file: the cases above took every condition of every script both ways."""
     seen = set(rds.hkeys(COVERAGE_KEY))
@@ -344,7 +405,8 @@ def test_every_branch_ran_both_ways(rds):
 
 
 def test_wire_names_match_the_scripts():
-    """Every job-hash field, state and error code the scripts spell is declared in producer.wire."""
+    """Every hash field (of a job, or of an API key), state and error code the scripts spell is declared in
+    producer.wire."""
     fields, states, errors = set(), set(), set()
     for src in _sources():
         for call in re.findall(r"'(HSET|HMGET|HGET|HDEL|HINCRBY)',\s*[^,]+,\s*([^)]*)\)", src):
@@ -352,7 +414,8 @@ def test_wire_names_match_the_scripts():
         states |= set(re.findall(r"state [~=]= '([a-z]+)'", src))
         errors |= set(re.findall(r"error_reply\('([A-Z_]+) ", src))
     fields -= set(wire.STATES)  # HSET's values: the states it sets
-    assert fields <= set(wire.JOB_FIELDS), fields - set(wire.JOB_FIELDS)
+    declared = {*wire.JOB_FIELDS, *wire.LIMIT_FIELDS, *wire.USAGE_COUNTERS}
+    assert fields <= declared, fields - declared
     assert states <= set(wire.STATES), states - set(wire.STATES)
     assert errors == set(wire.ERRORS), errors ^ set(wire.ERRORS)
 
@@ -370,5 +433,6 @@ def test_protocol_doc_is_current():
     doc = protocol_doc.DOC.read_text()
     assert protocol_doc.render(doc) == doc, "PROTOCOL.md is stale: run python3 -m producer.protocol_doc"
     names = [*wire.STATES, *wire.JOB_FIELDS, *wire.DLQ_FIELDS, *wire.ERRORS, wire.EV_TOKEN, wire.EV_DONE,
-             wire.EV_ERROR, wire.EV_CANCELLED, wire.ENTRY_ID, wire.ENTRY_JOB, wire.EVENT_FIELD]
+             wire.EV_ERROR, wire.EV_CANCELLED, wire.ENTRY_ID, wire.ENTRY_JOB, wire.EVENT_FIELD, *wire.LIMIT_FIELDS,
+             wire.USAGE_NAME, *wire.USAGE_COUNTERS]
     assert [n for n in names if f"`{n}`" not in doc] == []
