@@ -16,6 +16,7 @@ from cli.jobs import cancel, result, status, submit, workers
 from cli.kernels import kernels
 from cli.model_files import models
 from cli.serve import batch, serve
+from cli.usage import usage
 from cli.worker import worker
 from worker.version import pagedq_version
 
@@ -30,7 +31,7 @@ def main() -> None:
 
 
 COMMANDS = (worker, submit, result, status, workers, cancel, dashboard, dlq, redis, models, kernels, demo, bench,
-            gpu_check_command, serve, batch)
+            gpu_check_command, serve, batch, usage)
 for command in COMMANDS:
     main.add_command(command)
 

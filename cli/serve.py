@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import click
@@ -55,7 +56,15 @@ def _serve_config(options: dict[str, Any]) -> ServeConfig:
 @click.option("--api-key", "api_keys", multiple=True, envvar="PAGEDQ_API_KEYS",
               help="A bearer token clients must send (repeatable; env: space-separated); none: open")
 @click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="A file of bearer tokens, one a line")
+              help="A file of keys, one a line: [NAME:] KEY|sha256:HEX [rpm=N] [tpm=N] [max_jobs=N]; "
+                   "SIGHUP rereads it")
+@click.option("--key-rpm", type=int, default=default_of(ServeConfig, "key_rpm"),
+              help="Requests per minute each key may make (429 past it); none: no limit")
+@click.option("--key-tpm", type=int, default=default_of(ServeConfig, "key_tpm"),
+              help="Tokens per minute each key may use: its prompts (estimated) and max_tokens, settled with "
+                   "what its jobs used; none: no limit")
+@click.option("--key-max-jobs", type=int, default=default_of(ServeConfig, "key_max_jobs"),
+              help="Requests each key may have queued or running on a queue (429 past it); none: no limit")
 @click.option("--max-queue-depth", type=int, default=default_of(ServeConfig, "max_queue_depth"),
               help="Answer 429 when a queue holds this many jobs (queued + running)")
 @click.option("--retry-after", type=int, default=default_of(ServeConfig, "retry_after_s"),
@@ -64,12 +73,17 @@ def _serve_config(options: dict[str, Any]) -> ServeConfig:
 @click.option("--log-level", envvar="PAGEDQ_LOG_LEVEL", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
 def serve(host: str, port: int, api_key_file: str | None, workers: int, log_level: str, **options: Any) -> None:
     """An OpenAI-compatible HTTP server over the queue: /v1/chat/completions, /v1/completions, /v1/models,
-    /v1/files, /v1/batches."""
-    from serve.config import read_key_file
+    /v1/files, /v1/batches. With keys, each key owns the files, batches and jobs it makes."""
+    from serve.api_keys import KeyFileError, KeyRing
     from serve.run import run_server
 
-    options["api_keys"] = list(options["api_keys"]) + (read_key_file(api_key_file) if api_key_file else [])
-    cfg = _serve_config(options)
+    options["api_keys"] = list(options["api_keys"])
+    options["api_key_file"] = str(Path(api_key_file).resolve()) if api_key_file else None
+    cfg = _serve_config(options | {"log_level": log_level.upper(), "log_format": LOG_FORMAT})
+    try:
+        KeyRing(cfg.api_keys, cfg.api_key_file)  # a key file that does not parse stops the start, with its line
+    except KeyFileError as e:
+        raise click.ClickException(str(e)) from None
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     try:
         run_server(cfg, host, port, workers, log_level)

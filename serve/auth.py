@@ -1,20 +1,29 @@
-"""Optional bearer tokens: with keys configured, every /v1 request must carry `Authorization: Bearer <key>`."""
+"""Optional bearer tokens: with keys configured, every /v1 request must carry `Authorization: Bearer <key>`, and
+the key it carries is the tenant the request acts for (serve.api_keys)."""
 
 from __future__ import annotations
 
-import hmac
+from starlette.requests import Request
 
+from serve.api_keys import ApiKey, KeyRing
 from serve.errors import APIError
 
+KEY_STATE = "api_key"  # the request state's entry that holds the request's key (set by the app's dependency)
 
-def check(authorization: str | None, keys: list[str]) -> None:
-    if not keys:
-        return
+
+def identify(authorization: str | None, ring: KeyRing) -> ApiKey | None:
+    """The key of the request; None when the server has no keys (anyone may ask, and sees everything)."""
+    if not ring.enabled:
+        return None
     scheme, _, token = (authorization or "").partition(" ")
     token = token.strip()
-    # Compared with every key, in constant time: how long a refusal takes tells nothing of any key.
-    ok = scheme.lower() == "bearer" and bool(token)
-    ok = any([hmac.compare_digest(token.encode(), k.encode()) for k in keys]) and ok
-    if not ok:
+    key = ring.identify(token) if scheme.lower() == "bearer" and token else None
+    if key is None:
         raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
                        code="invalid_api_key")
+    return key
+
+
+def key_of(request: Request) -> ApiKey | None:
+    """The key the request came with; None on a server without keys."""
+    return getattr(request.state, KEY_STATE, None)

@@ -4,7 +4,6 @@ uvicorn's own worker processes, which import the factory afresh, get them too)."
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from pydantic import BaseModel, Field
 
@@ -19,7 +18,15 @@ class ServeConfig(BaseModel):
     queue: str = defaults.QUEUE
     models: list[str] = Field(default_factory=list)  # served names, routed to `queue`
     routes: dict[str, str] = Field(default_factory=dict)  # model -> queue
-    api_keys: list[str] = Field(default_factory=list)  # empty: no authentication
+    api_keys: list[str] = Field(default_factory=list)  # bearer tokens; none here nor in api_key_file: no auth
+    api_key_file: str | None = None  # a key file (serve.api_keys): named, hashed keys with limits; SIGHUP rereads it
+    key_rpm: int | None = None  # requests per minute per key (None or 0: no limit); a key file may set its own
+    key_tpm: int | None = None  # tokens per minute per key, charged at admission and settled when the job ends
+    key_max_jobs: int | None = None  # interactive jobs a key may have queued or running on each queue
+    settle_after_s: float = 10.0  # a key's job older than this that ended unseen is settled by the sweeper
+    # How the server's processes log: uvicorn starts its --workers afresh, and each sets its logging up from these.
+    log_level: str | None = None
+    log_format: str | None = None
     max_queue_depth: int | None = None  # queued + running jobs at which new requests get 429
     retry_after_s: int = 1
     default_max_tokens: int | None = None  # None: JobRequest's default
@@ -57,9 +64,3 @@ def parse_routes(items: tuple[str, ...] | list[str]) -> dict[str, str]:
             raise ValueError(f"route {item!r}: give MODEL=QUEUE")
         out[model] = queue
     return out
-
-
-def read_key_file(path: str | Path) -> list[str]:
-    """API keys, one a line; blank lines and lines starting with # are skipped."""
-    lines = Path(path).read_text().splitlines()
-    return [s for s in (line.strip() for line in lines) if s and not s.startswith("#")]

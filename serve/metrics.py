@@ -1,4 +1,7 @@
-"""Prometheus metrics of one serve process (GET /metrics); a pure ASGI middleware counts every request."""
+"""Prometheus metrics of one serve process (GET /metrics); a pure ASGI middleware counts every request. With API
+keys, the per-key series carry the key's name (label `key`), never the key: requests by status, the requests its
+limits refused, and the jobs and tokens of the key's jobs this process settled (serve.tenancy: each job is
+settled by one process, so the sum over processes is the key's total)."""
 
 from __future__ import annotations
 
@@ -6,6 +9,8 @@ import time
 
 import prometheus_client as pc
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from serve.auth import KEY_STATE
 
 
 class ServeMetrics:
@@ -18,6 +23,24 @@ class ServeMetrics:
                                     buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300))
         self.in_flight = pc.Gauge("pagedq_serve_in_flight", "Requests being answered", registry=reg)
         self.batches = pc.Counter("pagedq_serve_batches_created", "Batches created", registry=reg)
+        self.key_requests = pc.Counter("pagedq_serve_key_requests", "HTTP requests of each API key, by status",
+                                       ["key", "status"], registry=reg)
+        self.key_rate_limited = pc.Counter("pagedq_serve_key_rate_limited",
+                                           "Requests of each API key refused by its limits (requests, tokens, jobs)",
+                                           ["key", "limit"], registry=reg)
+        self.key_jobs = pc.Counter("pagedq_serve_key_jobs", "Jobs of each API key that ended (settled here)",
+                                   ["key"], registry=reg)
+        self.key_prompt_tokens = pc.Counter("pagedq_serve_key_prompt_tokens",
+                                            "Prompt tokens of each API key's jobs (settled here)", ["key"],
+                                            registry=reg)
+        self.key_completion_tokens = pc.Counter("pagedq_serve_key_completion_tokens",
+                                                "Completion tokens of each API key's jobs (settled here)", ["key"],
+                                                registry=reg)
+
+    def count_usage(self, key: str, jobs: int, prompt_tokens: int, completion_tokens: int) -> None:
+        self.key_jobs.labels(key).inc(jobs)
+        self.key_prompt_tokens.labels(key).inc(prompt_tokens)
+        self.key_completion_tokens.labels(key).inc(completion_tokens)
 
     def render(self) -> bytes:
         return pc.generate_latest(self.registry)
@@ -49,4 +72,7 @@ class CountRequests:
             self.metrics.in_flight.dec()
             route = getattr(scope.get("route"), "path", "other")
             self.metrics.requests.labels(route, str(status["code"])).inc()
+            key = scope.get("state", {}).get(KEY_STATE)  # set by the auth dependency (serve.app)
+            if key is not None:
+                self.metrics.key_requests.labels(key.name, str(status["code"])).inc()
             self.metrics.seconds.labels(route).observe(time.perf_counter() - start)

@@ -1,6 +1,9 @@
 """The routes of `pagedq serve`, one APIRouter per group: OpenAI's models, completions, files and batches under
 /v1, and the operator's /health and /metrics. Each is made for one app from what its handlers need: the
-settings, the app's queues (opened when it starts, hence a getter) and its metrics."""
+settings, the app's queues (opened when it starts, hence a getter), its API keys and its metrics.
+
+With API keys, a request acts for its key (`key_of`): files and batches are made as that key's, and another
+key's are not found (404: their existence is not revealed either)."""
 
 from __future__ import annotations
 
@@ -13,17 +16,25 @@ from starlette.responses import JSONResponse, Response
 
 from producer import flows
 from serve import batches, completions, files
+from serve.auth import key_of
 from serve.config import ServeConfig
 from serve.errors import APIError, bad_request, not_found
 from serve.metrics import ServeMetrics
 from serve.queues import Queues
 from serve.served_models import list_models
+from serve.tenants import Tenants
 
 QueuesOf = Callable[[], Queues]
 
 
 async def _run(queues: Queues, flow: flows.Flow) -> Any:
     return await flows.adrive(queues.redis, flow)
+
+
+def owner_of(request: Request) -> str | None:
+    """The key id that the request's files and batches belong to; None (everything) without keys."""
+    key = key_of(request)
+    return key.id if key else None
 
 
 def operations(queues: QueuesOf, metrics: ServeMetrics) -> APIRouter:
@@ -62,16 +73,16 @@ def model_routes(config: ServeConfig, queues: QueuesOf) -> APIRouter:
     return router
 
 
-def completion_routes(queues: QueuesOf) -> APIRouter:
+def completion_routes(queues: QueuesOf, tenants: Tenants) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await completions.handle("chat", request, queues())
+        return await completions.handle("chat", request, queues(), tenants)
 
     @router.post("/v1/completions")
     async def completion(request: Request) -> Response:
-        return await completions.handle("completion", request, queues())
+        return await completions.handle("completion", request, queues(), tenants)
 
     return router
 
@@ -97,30 +108,31 @@ def file_routes(config: ServeConfig, queues: QueuesOf) -> APIRouter:
             text = data.decode()
         except UnicodeDecodeError:
             raise bad_request("the file must be UTF-8 JSONL", "file") from None
-        return await _run(queues(), files.put(text, upload.filename or "upload.jsonl", purpose, config.store_ttl_s))
+        return await _run(queues(), files.put(text, upload.filename or "upload.jsonl", purpose, config.store_ttl_s,
+                                              owner=owner_of(request)))
 
     @router.get("/v1/files")
-    async def list_files(limit: int = 100, purpose: str | None = None) -> dict:
-        data = await _run(queues(), files.listing(max(1, min(limit, 10_000)), purpose))
+    async def list_files(request: Request, limit: int = 100, purpose: str | None = None) -> dict:
+        data = await _run(queues(), files.listing(max(1, min(limit, 10_000)), purpose, owner_of(request)))
         return {"object": "list", "data": data, "has_more": False}
 
     @router.get("/v1/files/{file_id}")
-    async def get_file(file_id: str) -> dict:
-        meta = await _run(queues(), files.get(_file_id(file_id)))
+    async def get_file(request: Request, file_id: str) -> dict:
+        meta = await _run(queues(), files.get(_file_id(file_id), owner_of(request)))
         if meta is None:
             raise not_found(f"No such File object: {file_id}", "file_id")
         return meta
 
     @router.get("/v1/files/{file_id}/content")
-    async def file_content(file_id: str) -> Response:
-        text = await _run(queues(), files.content(_file_id(file_id)))
+    async def file_content(request: Request, file_id: str) -> Response:
+        text = await _run(queues(), files.content(_file_id(file_id), owner_of(request)))
         if text is None:
             raise not_found(f"No such File object: {file_id}", "file_id")
         return Response(text, media_type="application/jsonl")
 
     @router.delete("/v1/files/{file_id}")
-    async def delete_file(file_id: str) -> dict:
-        if not await _run(queues(), files.delete(_file_id(file_id))):
+    async def delete_file(request: Request, file_id: str) -> dict:
+        if not await _run(queues(), files.delete(_file_id(file_id), owner_of(request))):
             raise not_found(f"No such File object: {file_id}", "file_id")
         return {"id": file_id, "object": "file", "deleted": True}
 
@@ -135,7 +147,7 @@ def _file_id(file_id: str) -> str:
     return file_id
 
 
-def batch_routes(config: ServeConfig, queues: QueuesOf, metrics: ServeMetrics) -> APIRouter:
+def batch_routes(config: ServeConfig, queues: QueuesOf, metrics: ServeMetrics, tenants: Tenants) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/batches")
@@ -153,20 +165,21 @@ def batch_routes(config: ServeConfig, queues: QueuesOf, metrics: ServeMetrics) -
         if unknown:
             raise bad_request(f"Unrecognized request argument supplied: {sorted(unknown)[0]}", sorted(unknown)[0])
         out = await _run(queues(), batches.create(config, body["input_file_id"], body["endpoint"],
-                                                  body.get("completion_window") or "24h", body.get("metadata")))
+                                                  body.get("completion_window") or "24h", body.get("metadata"),
+                                                  owner_of(request)))
         metrics.batches.inc()
         return out
 
     @router.get("/v1/batches")
-    async def list_batches(limit: int = 20, after: str | None = None) -> dict:
-        return await _run(queues(), batches.listing(max(1, min(limit, 100)), after))
+    async def list_batches(request: Request, limit: int = 20, after: str | None = None) -> dict:
+        return await _run(queues(), batches.listing(max(1, min(limit, 100)), after, owner_of(request)))
 
     @router.get("/v1/batches/{batch_id}")
-    async def get_batch(batch_id: str) -> dict:
-        return await _run(queues(), batches.get(batch_id))
+    async def get_batch(request: Request, batch_id: str) -> dict:
+        return await _run(queues(), batches.get(batch_id, owner_of(request), tenants.tally))
 
     @router.post("/v1/batches/{batch_id}/cancel")
-    async def cancel_batch(batch_id: str) -> dict:
-        return await _run(queues(), batches.cancel(batch_id))
+    async def cancel_batch(request: Request, batch_id: str) -> dict:
+        return await _run(queues(), batches.cancel(batch_id, owner_of(request), tenants.tally))
 
     return router
