@@ -33,7 +33,8 @@ def usage(redis_url: str, as_json: bool) -> None:
         click.echo(json.dumps(rows, indent=2))
         return
     if not rows:
-        click.echo("no API key has been used (pagedq serve records keys when it runs with --api-key)")
+        click.echo("no API key known here (pagedq serve records its keys when it runs with --api-key or "
+                   "--api-key-file)")
         return
     table = [[h for _, h in COLUMNS]] + [[str(row[c]) for c, _ in COLUMNS] for row in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(COLUMNS))]

@@ -85,12 +85,9 @@ class Tenants:
         except APIError as e:
             raise self._refused(key, e) from None
 
-    async def refund(self, key: ApiKey, tokens: int) -> None:
-        await self._run(tenancy.refund(key, self.limits(key), tokens))
-
     async def settle(self, ticket: Ticket | None, res: JobResult | None) -> None:
         """The submitting request saw its job end. Never raises: the answer is the client's whatever happens here
-        (the sweep settles a job whose settling failed)."""
+        (a job whose settling failed before it left the key's set is settled by the sweep)."""
         if ticket is None:
             return
         try:

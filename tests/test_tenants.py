@@ -45,6 +45,10 @@ def bearer(key: str) -> dict:
     return {"Authorization": f"Bearer {key}"}
 
 
+def wait_status(get, status: str, timeout: float = 60):
+    return wait_for(lambda: (lambda b: b.status == status and b)(get()), timeout, f"the batch to be {status}")
+
+
 def log_of(proc) -> str:
     with open(proc.log.name) as f:
         return f.read()
@@ -130,7 +134,7 @@ def test_keys_own_their_files_batches_and_jobs(redis_url, queue, rds, start_serv
     a3 = sdk(three, ka)
     visible_to(a3)
     assert a3.batches.cancel(b.id).status in ("cancelling", "cancelled")
-    out = wait_wait(lambda: a3.batches.retrieve(b.id), "cancelled")
+    out = wait_status(lambda: a3.batches.retrieve(b.id), "cancelled")
     invisible_to(sdk(three, kb))  # the error file A's batch made is A's too
     assert a3.files.content(out.error_file_id).text and out.error_file_id in [x.id for x in a3.files.list()]
     with pytest.raises(openai.NotFoundError):
@@ -143,10 +147,6 @@ def test_keys_own_their_files_batches_and_jobs(redis_url, queue, rds, start_serv
     with pytest.raises(openai.NotFoundError):
         a3.files.retrieve(nobodys.id)
     assert a3.files.delete(f.id).deleted and f.id not in [x.id for x in bare.files.list()]
-
-
-def wait_wait(get, status: str, timeout: float = 60):
-    return wait_for(lambda: (lambda b: b.status == status and b)(get()), timeout, f"the batch to be {status}")
 
 
 # ---- the key file reloaded on SIGHUP, in every process ---------------------------------------------------------
