@@ -389,6 +389,7 @@ def test_limit(q, queue):
     assert float(q.r.hget(k.limits, "tok")) == 100
     assert q.run(calls.settle(k, 2, 100, -150, 1, Usage()))  # used more than charged: in debt
     assert not admit(0, 100, 1).ok
+    assert admit(0, 100, 0).ok  # a request that is charged no tokens (a file's) still passes
     assert q.run(calls.settle(k, 2, 0, 5, 1, Usage()))  # no token limit: only counted
     assert q.run(calls.settle(k, 2, 100, 0, 1, Usage(completion_tokens=2)))  # nothing to give back
     usage = q.r.hgetall(k.usage)

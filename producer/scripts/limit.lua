@@ -1,9 +1,9 @@
 -- limit: the rate limits and the usage counters of one API key of `pagedq serve`, shared by every serve process.
 -- Each limit (requests and tokens per minute) is a bucket that refills continuously at its limit per minute and
 -- holds a minute's worth at most; a missing bucket is full. "admit" takes one request and the tokens a request
--- is charged (its prompt, estimated, and its max_tokens) only if both buckets hold them; "settle" counts what
--- jobs of the key used once they ended, and gives the token bucket back what they were charged beyond that (or
--- takes what they used beyond it).
+-- is charged (its prompt, estimated, and its max_tokens) only if both buckets hold them (a request charged no
+-- tokens, a file's say, passes a key in token debt); "settle" counts what jobs of the key used once they ended,
+-- and gives the token bucket back what they were charged beyond that (or takes what they used beyond it).
 --
 -- KEYS[1]  the buckets  pq:key:{<key id>}:limits  (hash: req, tok, at: ms of the last change; kept for an hour)
 -- KEYS[2]  the usage    pq:key:{<key id>}:usage   (hash of counters)
@@ -46,7 +46,7 @@ else
   if rpm > 0 and req < 1 then
     wait = (1 - req) * 60000 / rpm
   end
-  if tpm > 0 and tok < tokens then
+  if tpm > 0 and tokens > 0 and tok < tokens then
     local w = (tokens - tok) * 60000 / tpm
     if w > wait then
       wait, short = w, 'tokens'
