@@ -12,7 +12,7 @@ from bench import gpu_check
 from bench.workloads import NAMES
 from engine.config import DEFAULT_MODEL
 
-WORKLOADS = (*NAMES, "overhead")
+WORKLOADS = (*NAMES, "overhead", "parallel")  # the last two: runs of their own (bench.overhead, bench.parallel)
 SYSTEMS = ("pagedq", "pagedq-redis", "hf-generate", "hf-static", "hf-cb", "pagedq-serve", "vllm")
 DEFAULT_SYSTEMS = SYSTEMS[:-1]  # vLLM when asked for: it needs an environment of its own
 
@@ -88,6 +88,13 @@ def bench(model, device, dtype, workloads, systems, quick, num_requests, hf_sing
 
             workloads = [w for w in workloads if w != "overhead"]
             run_overhead(device or "cpu", quick, out_dir=out_dir, charts=not no_charts, echo=click.echo)
+            if not workloads:
+                return
+        if "parallel" in workloads:  # the engine alone, shared against unshared continuations
+            from bench.parallel import run_parallel
+
+            workloads = [w for w in workloads if w != "parallel"]
+            run_parallel(model, device, dtype, quick, out_dir=out_dir, seed=seed, echo=click.echo)
             if not workloads:
                 return
         run_bench(model, device, workloads, systems, quick, out_dir, dtype=dtype, num_requests=num_requests,

@@ -23,6 +23,9 @@ class BlockManager:
         self.cached: dict[int, int] = {}  # hash -> block id
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.tables = BlockTables()
+        # Blocks copied on write since the last step took them: (source, destination), for the runner to copy on
+        # the device before the step's forward writes anything.
+        self.copies: list[tuple[int, int]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -91,6 +94,40 @@ class BlockManager:
             new = [self._take() for _ in range(need)]
             self.tables.write(seq.table_row, len(seq.block_table), new)
             seq.block_table.extend(new)
+
+    def share(self, parent: Sequence, child: Sequence) -> None:
+        """child (a fork of parent) holds every block parent holds, the partly filled last one included."""
+        for block in parent.block_table:
+            self.ref_counts[block] += 1
+        child.block_table = list(parent.block_table)
+        child.table_row = self.tables.take_row()
+        self.tables.write(child.table_row, 0, child.block_table)
+
+    def shared_write(self, seq: Sequence) -> bool:
+        """Whether seq's next token goes into a block it shares (a fork's): that block must be copied first."""
+        i = seq.num_computed_tokens // self.block_size
+        return i < len(seq.block_table) and self.ref_counts[seq.block_table[i]] > 1
+
+    def blocks_to_write(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Free blocks that writing num_new_tokens more of seq takes: new ones, and a copy of a shared one."""
+        grow = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return max(0, grow) + self.shared_write(seq)
+
+    def prepare_write(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Blocks for num_new_tokens more of seq: the block it writes into copied first if it shares it (the copy is
+        queued in `copies`), then new ones. The caller checked blocks_to_write against the free blocks."""
+        if self.shared_write(seq):
+            i = seq.num_computed_tokens // self.block_size
+            old, new = seq.block_table[i], self._take()
+            self.ref_counts[old] -= 1
+            self.copies.append((old, new))
+            seq.block_table[i] = new
+            self.tables.write(seq.table_row, i, [new])
+        self.append(seq, num_new_tokens)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.copies = self.copies, []
+        return copies
 
     def commit(self, seq: Sequence) -> None:
         """After a forward: register the blocks that the computed tokens have filled, so others can share them.

@@ -14,9 +14,12 @@ from operator import attrgetter
 import numpy as np
 import torch
 
+from engine.beam_search import BeamSearch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import NO_TOKEN, Detokenizer
+from engine.group import Group, child_seed
+from engine.group_steps import GroupSteps
 from engine.loader import resolve_model
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
@@ -44,6 +47,7 @@ class InFlight:
     event: object  # marks the copy done on CUDA; None elsewhere
     logprobs: torch.Tensor
     feeds_ahead: bool  # no row needs its token on the host before the next step is sampled (logprobs, penalties)
+    beams: list  # per beam group sampled: (group, its rows, the K best candidates: values and flat indices)
 
     def host_tokens(self) -> list[int]:
         if self.event is not None:
@@ -64,6 +68,7 @@ class Landed:
     reasons: list[str | None]  # finish reason per row, or GONE
     texts: dict[int, str]  # new text by row, for requests with stop strings (decoded when the token landed)
     logprobs: list[list | None] | None
+    reported: list[RequestOutput]  # groups that ended and report their continuations whole
 
 
 class LLMEngine:
@@ -81,6 +86,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner.tables = self.block_manager.tables
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.groups = GroupSteps(self.scheduler, self.block_manager,
+                                 lambda prompt, stop: Detokenizer(self.tokenizer, prompt, stop))
         self.rng = random.Random(config.seed)
         self.times = StepTimes()
         self.runner.times = self.times
@@ -116,12 +123,16 @@ class LLMEngine:
         priority: int = 0,
         resume_token_ids: list[int] | None = None,
         resume_text: str = "",
+        resume: dict[int, tuple[list[int], str, str | None]] | None = None,
     ) -> None:
         """Queue a request. Bad input raises ValueError and leaves the engine as it was.
 
         resume_token_ids / resume_text: output already generated and streamed elsewhere (a crashed worker's job).
         The prompt and those tokens are prefilled, then generation goes on where it stopped; with greedy or seeded
         sampling the rest equals an uninterrupted run, and new_text continues right after resume_text.
+        resume: the same per continuation of a request with several that stream (n > 1): index -> (token ids, text,
+        finish reason if it had ended). Continuations that report only at the end (beam search, best_of > n) start
+        afresh: nothing of theirs was streamed.
         """
         params = params or SamplingParams()
         params.validate()
@@ -143,25 +154,72 @@ class LLMEngine:
             )
         if request_id in self.scheduler.by_id:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        resumed = list(resume_token_ids or [])
-        if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in resumed):
-            raise ValueError(f"resume_token_ids must be integers in [0, {self.vocab_size})")
-        if len(resumed) >= params.max_tokens or len(ids) + len(resumed) >= self.max_model_len:
-            raise ValueError("resume_token_ids leave no room for another token: the request is already complete")
+        choices = dict(resume or {})
+        if resume_token_ids:
+            choices[0] = (list(resume_token_ids), resume_text, None)
+        if not params.streams:
+            choices = {}
+        for index, (tokens, _, reason) in choices.items():
+            self._check_resumed(index, tokens, len(ids), params, done=reason is not None)
         seq = Sequence(request_id, ids, params, priority, seed=self.rng.getrandbits(63),
                        eos_ids=frozenset(self.eos_token_ids), max_model_len=self.max_model_len)
-        seq.detok = detok = Detokenizer(self.tokenizer, ids, params.stop)
-        if resumed:
-            seq.token_ids.extend(resumed)
-            detok.resume(resumed, resume_text)
-        self.scheduler.add(seq)
+        seq.detok = Detokenizer(self.tokenizer, ids, params.stop)
+        if params.width == 1:
+            self._resume(seq, *choices.get(0, ([], "", None))[:2])
+            self.scheduler.add(seq)
+            return
+        group = seq.group = Group(request_id, params, [seq])
+        if params.use_beam_search:
+            group.beams = BeamSearch(params.width, len(ids), seq.max_len, seq.stop_ids, params.length_penalty,
+                                     params.early_stopping)
+        if not choices:
+            self.scheduler.add(seq)
+            return
+        # Continuations streamed before (a crashed worker's): each goes on from its own tokens, none shared.
+        members = [seq] + [seq.fork(i, child_seed(seq.seed, i)) for i in range(1, params.width)]
+        for member in members:
+            member.detok = Detokenizer(self.tokenizer, ids, params.stop)
+            tokens, text, reason = choices.get(member.index, ([], "", None))
+            self._resume(member, tokens, text)
+            if reason is not None:
+                member.finish_reason, member.status = reason, Status.FINISHED
+        group.seqs = [m for m in members if m.finish_reason is None]
+        group.done = [m for m in members if m.finish_reason is not None]
+        if not group.seqs:
+            raise ValueError("resume: every continuation had ended: the request is already complete")
+        group.unreported = len(group.seqs)
+        group.forked = True
+        self.scheduler.add_group(group.seqs)
+
+    def _check_resumed(self, index: int, tokens: list[int], prompt_len: int, params: SamplingParams, done: bool
+                       ) -> None:
+        if not 0 <= index < params.n:
+            raise ValueError(f"resume: continuation {index} does not exist (n={params.n})")
+        if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in tokens):
+            raise ValueError(f"resume_token_ids must be integers in [0, {self.vocab_size})")
+        full = len(tokens) >= params.max_tokens or prompt_len + len(tokens) >= self.max_model_len
+        if full and not done:
+            raise ValueError("resume_token_ids leave no room for another token: the request is already complete")
+
+    @staticmethod
+    def _resume(seq: Sequence, tokens: list[int], text: str) -> None:
+        if tokens:
+            seq.token_ids.extend(tokens)
+            seq.detok.resume(tokens, text)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request now; its KV blocks are free when this returns. False if it was not in the engine."""
         seq = self.scheduler.by_id.get(request_id)
         if seq is None:
             return False
-        self.scheduler.finish(seq, "abort")
+        if seq.group is None:
+            self.scheduler.finish(seq, "abort")
+            return True
+        for member in {id(m): m for m in [seq, *seq.group.seqs]}.values():
+            if member.status is not Status.FINISHED:
+                self.scheduler.finish(member, "abort")
+        seq.group.seqs = []
+        self.scheduler.forget(request_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -252,10 +310,12 @@ class LLMEngine:
         else:
             samplers = [s for s, n in zip(batch.seqs, batch.num_new_tokens)
                         if s.num_computed_tokens + n == len(s.token_ids)]
+        samplers, sample_from = self.groups.fork(samplers)
         sampling = self._sampling(samplers)
         feed = self._feed(batch) if self.in_flight else None
         self.times.lap("schedule")
-        tokens, logprobs = self.runner.run(batch, sampling, feed)
+        tokens, logprobs, candidates = self.runner.run(batch, sampling, feed, self.block_manager.take_copies(),
+                                                       sample_from)
         bm = self.block_manager
         caching, bs = bm.prefix_caching, bm.block_size
         # Progress counts at launch: the next step's forward runs after this one on the device. A block it fills
@@ -269,12 +329,13 @@ class LLMEngine:
         for seq in samplers:
             ids = seq.token_ids
             add_position(len(ids))
-            if len(ids) + 1 < seq.max_len:
-                ids.append(PLACEHOLDER)
-        feeds_ahead = sampling.greedy_only or not any(p.logprobs is not None or p.uses_history
+            if len(ids) + 1 < seq.max_len and (seq.group is None or not seq.group.is_beam):
+                ids.append(PLACEHOLDER)  # a beam's next token is known only once its step's search lands
+        feeds_ahead = sampling.greedy_only or not any(p.needs_logprobs or p.uses_history or p.use_beam_search
                                                       for p in sampling.params)
+        beams = [(samplers[rows[0]].group, rows, found) for (rows, _, _), found in zip(sampling.beams, candidates)]
         host, event = self.runner.to_host(tokens)
-        self.in_flight.append(InFlight(samplers, positions, tokens, host, event, logprobs, feeds_ahead))
+        self.in_flight.append(InFlight(samplers, positions, tokens, host, event, logprobs, feeds_ahead, beams))
         return True
 
     def _feed(self, batch: SchedulerOutput) -> Feed | None:
@@ -295,10 +356,11 @@ class LLMEngine:
         step = self.in_flight.popleft()
         tokens = step.host_tokens()  # on an asynchronous device: the wait for the step
         self.times.lap("sample")
-        reasons, texts = [], {}
+        reasons, texts, reported = [], {}, []
         finish, add_reason, finished = self.scheduler.finish, reasons.append, Status.FINISHED  # bound once: per row
         for i, (seq, token, pos) in enumerate(zip(step.samplers, tokens, step.positions)):
-            if seq.status is finished:  # aborted while its step ran, or ended by the step before
+            if seq.status is finished or (seq.group is not None and seq.group.is_beam):
+                # aborted while its step ran, or ended by the step before; a beam moves on with its group below
                 add_reason(GONE)
                 continue
             ids = seq.token_ids
@@ -318,11 +380,20 @@ class LLMEngine:
                 if stopped:
                     reason = "stop"
             add_reason(reason)
-            if reason is not None:
+            if seq.group is not None:
+                if step.logprobs.numel():
+                    seq.cumulative_logprob += float(step.logprobs[i, token])
+                if reason is not None:
+                    finish(seq, reason)
+                    reported += self.groups.member_finished(seq)
+            elif reason is not None:
                 finish(seq, reason)
+        for group, _, (values, indices) in step.beams:
+            if group.seqs and group.seqs[0].status is Status.RUNNING:  # not aborted while its step ran
+                reported += self.groups.beam_step(group, values.tolist(), indices.tolist(), self.vocab_size)
         logprobs = self._logprob_entries(step, tokens) if step.logprobs.numel() else None
         self.times.lap("update")
-        return Landed(step.samplers, step.positions, tokens, reasons, texts, logprobs)
+        return Landed(step.samplers, step.positions, tokens, reasons, texts, logprobs, reported)
 
     def _outputs(self, landed: Landed | None) -> list[RequestOutput]:
         if landed is None:
@@ -332,18 +403,33 @@ class LLMEngine:
         logprobs = landed.logprobs
         for i, (seq, pos, token, reason) in enumerate(zip(landed.samplers, landed.positions, landed.tokens,
                                                           landed.reasons)):
-            if reason is GONE:
-                continue
+            if reason is GONE or (seq.group is not None and not seq.group.streams):
+                continue  # a group that reports its continuations at the end says nothing now
             detok = seq.detok
             if detok.lazy:  # no stop strings: the text can wait for whoever reads it
                 # EOS and stop tokens are kept in token_ids but their text is not shown.
                 at, text = detok.defer(NO_TOKEN if reason == "stop" else token, reason is not None), ""
             else:
                 at, text = 0, landed.texts[i]
-            add(RequestOutput(seq, token, reason, pos + 1, text, detok.text, detok.sent, logprobs and logprobs[i],
-                              detok if detok.lazy else None, at))
+            out = RequestOutput(seq, token, reason, pos + 1, text, detok.text, detok.sent, logprobs and logprobs[i],
+                                detok if detok.lazy else None, at)
+            if seq.group is not None and reason is not None:
+                self._streamed_end(seq, out)
+            add(out)
+        outputs += landed.reported
         self.times.lap("outputs")
         return outputs
+
+    def _streamed_end(self, seq: Sequence, out: RequestOutput) -> None:
+        """A streamed continuation's last output: its request's last, with every continuation, once none runs."""
+        group = seq.group
+        out.cumulative_logprob = seq.cumulative_logprob if seq.params.needs_logprobs else None
+        group.finals[out.index] = out
+        group.unreported -= 1
+        if not group.unreported:
+            self.scheduler.forget(group.request_id)
+            out.request_finished = True
+            out.choices = [group.finals[i] for i in sorted(group.finals)]
 
     def _sampling(self, samplers: list[Sequence]) -> SamplingBatch:
         if all(map(_PLAIN_GREEDY, samplers)):  # the common batch: one argmax, no per-row settings to gather
@@ -357,7 +443,17 @@ class LLMEngine:
             output_ids=[s.output_token_ids for s in samplers] if needs_history else None,
             prompt_ids=[s.token_ids[: s.num_prompt_tokens] for s in samplers] if needs_history else None,
             eos_ids=sorted(self.eos_token_ids),
+            beams=self._beam_rows(samplers),
         )
+
+    @staticmethod
+    def _beam_rows(samplers: list[Sequence]) -> list[tuple[list[int], list[float], int]]:
+        """Each beam group's rows (its beams, in order: the scheduler runs them together), scores, candidates."""
+        rows: dict[int, tuple[Group, list[int]]] = {}
+        for r, seq in enumerate(samplers):
+            if seq.group is not None and seq.group.is_beam:
+                rows.setdefault(id(seq.group), (seq.group, []))[1].append(r)
+        return [(r, g.beams.scores, g.beams.candidates) for g, r in rows.values()]
 
     @staticmethod
     def _logprob_entries(step: InFlight, tokens: list[int]) -> list[list | None]:
@@ -384,7 +480,8 @@ class LLMEngine:
         prompts: list[str] | list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts (text or token ids) to completion together; final outputs in input order."""
+        """Run prompts (text or token ids) to completion together; final outputs in input order (each request's last:
+        with several continuations, `choices` holds them all)."""
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"gen-{self.rng.getrandbits(48):012x}-{i}" for i in range(len(prompts))]
@@ -401,6 +498,6 @@ class LLMEngine:
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
             for out in self.step():
-                if out.finished:
+                if out.request_finished:
                     final[out.request_id] = out
         return [final[r] for r in ids]

@@ -154,15 +154,22 @@ class ModelRunner:
         return stage("input_ids", inputs.input_ids), stage("positions", inputs.positions), ctx
 
     @torch.inference_mode()
-    def run(self, batch: SchedulerOutput, sampling: SamplingBatch, feed: Feed | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, batch: SchedulerOutput, sampling: SamplingBatch, feed: Feed | None = None,
+            copies: list[tuple[int, int]] | None = None, sample_from: np.ndarray | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, list]:
         """Launch one forward over the batch and its sampling -> the sampled token per sampling row (in batch
-        order) and raw logprobs, both left on the device: on CUDA this returns before the kernels have run.
-        feed: rows whose input token is still on the device (sampled by the step before, not yet landed)."""
+        order), raw logprobs and each beam group's candidates, all left on the device: on CUDA this returns before
+        the kernels have run. feed: rows whose input token is still on the device (sampled by the step before, not
+        yet landed). copies: KV blocks copied on write (source, destination) before the forward writes any.
+        sample_from: which of the step's sampled rows each sampling row takes (continuations forked from one
+        prompt take its row); None: its own."""
         inputs = step_inputs.build(batch, self.tables.array, self.config.block_size, self._steady_after(batch),
                                    feed is not None and feed.every_row)
         self._last_seqs, self._last_inputs = batch.seqs, inputs
         self.staging.next_step()
+        if copies:
+            pairs = np.array(copies, dtype=np.int64).T.copy()
+            self.backend.copy_blocks(self.kv_cache, self.staging.to_device("copies", pairs))
         buffers = self.decode_buffers
         padded = buffers is not None and inputs.decode_only and len(batch.seqs) <= buffers.max_size
         if padded:
@@ -183,7 +190,7 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, ctx)
         self.times.lap("forward")
         if not len(inputs.sample_rows):
-            return torch.empty(0, dtype=torch.long, device=self.device), torch.empty(0)
+            return torch.empty(0, dtype=torch.long, device=self.device), torch.empty(0), []
         # Logits only where a token is sampled, never for the rest of a prompt. Decoding, every row samples: the
         # first rows (of a padded batch) are the ones, with no index to copy.
         if inputs.decode_only:
@@ -191,10 +198,12 @@ class ModelRunner:
         else:
             sampled = hidden[self.staging.to_device("sample_rows", inputs.sample_rows)]
         logits = self._logits(sampled)
-        tokens, logprobs = sample(logits, sampling, self.backend.argmax, self.staging)
+        if sample_from is not None:
+            logits = logits[self.staging.to_device("sample_from", sample_from)]
+        tokens, logprobs, candidates = sample(logits, sampling, self.backend.argmax, self.staging)
         del logits, hidden  # freed here, in the phase that made them (a batch's logits can be hundreds of MB)
         self.times.lap("sample")
-        return tokens, logprobs
+        return tokens, logprobs, candidates
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.shape[0]

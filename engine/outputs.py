@@ -15,13 +15,20 @@ class RequestOutput:
     num_prompt_tokens, num_cached_tokens, logprobs (per new token, when SamplingParams.logprobs is set:
     (logprob of the token, {token_id: logprob} of the top N)); token_ids and text: all output so far.
 
+    A request with several continuations (n > 1, best_of, beam search) reports each as its own outputs, `index`
+    saying which: as they come where they stream, else all at once when the request ends (every token new then).
+    `finished` ends a continuation, `request_finished` the request: its last output carries them all in `choices`
+    (in index order; a plain request's is itself). `cumulative_logprob`: the continuation's summed logprob, where
+    the engine tracks it (best_of, beams: there the score it was ranked by is `score`).
+
     The totals are read on demand from the request's own token list and text, as they stood at this step:
     copying them into every step's output would cost each request its whole output length every step. When the
     request's detokenizer defers decoding (no stop strings), new_text and text are decoded on first read.
     """
 
     __slots__ = ("_seq", "new_token_ids", "finish_reason", "logprobs", "_ids_end", "_new_text", "_text",
-                 "_text_end", "_detok", "_pos")
+                 "_text_end", "_detok", "_pos", "index", "request_finished", "choices", "cumulative_logprob",
+                 "score")
 
     def __init__(self, seq: Sequence, token: int, finish_reason: str | None, ids_end: int, new_text: str,
                  text: str, text_end: int, logprobs: list[tuple[float, dict[int, float]]] | None = None,
@@ -40,6 +47,19 @@ class RequestOutput:
         self._text_end = text_end
         self._detok = detok  # a deferring Detokenizer, and this output's position in it
         self._pos = pos
+        self.index = seq.index
+        self.request_finished = finish_reason is not None and seq.group is None
+        self.choices: list[RequestOutput] | None = [self] if self.request_finished else None
+        self.cumulative_logprob: float | None = None
+        self.score: float | None = None
+
+    @classmethod
+    def whole(cls, seq: Sequence, index: int, finish_reason: str, text: str) -> RequestOutput:
+        """A continuation reported once, at the end: every output token of seq new."""
+        out = cls(seq, 0, finish_reason, len(seq.token_ids), text, text, len(text))
+        out.new_token_ids = seq.token_ids[seq.num_prompt_tokens:]
+        out.index = index
+        return out
 
     @property
     def request_id(self) -> str:

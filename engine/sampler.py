@@ -7,7 +7,7 @@ request samples the same tokens whatever shares its batch, after a preemption, o
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
@@ -30,6 +30,9 @@ class SamplingBatch:
     prompt_ids: list[list[int]] | None = None
     eos_ids: list[int] | None = None
     greedy_only: bool = False  # every row plain greedy: an argmax, nothing else
+    # Beam groups among the rows: (their rows, best first, each beam's score, candidates to keep): their K best
+    # continuations are ranked on the device (engine.beam_search takes it from there).
+    beams: list[tuple[list[int], list[float], int]] = field(default_factory=list)
 
     @classmethod
     def greedy(cls) -> SamplingBatch:
@@ -75,8 +78,7 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch, stage: Staging) 
 
 
 def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch, stage: Staging) -> torch.Tensor:
-    banned = [(i, t) for i, p in enumerate(batch.params) if p.min_tokens and batch.steps[i] < p.min_tokens
-              for t in [*p.stop_token_ids, *([] if p.ignore_eos else batch.eos_ids or [])]]
+    banned = [(i, t) for i in range(len(batch.params)) for t in _banned(batch, i)]
     if banned:
         at = stage.to_device("min_tokens", np.array(banned, dtype=np.int64).T.copy())
         logits[at[0], at[1]] = float("-inf")
@@ -84,21 +86,23 @@ def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch, stage: Staging)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, argmax: Argmax = torch_ops.argmax, stage: Staging | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [S, V] in the model's dtype -> (token ids [S], logprobs of the raw distribution [S, V] or empty).
-    Everything but a plain argmax runs in float32. `argmax`: each row's first maximum (a backend's kernel). `stage`:
-    how per-row settings reach the device (the runner's, whose copies never make the host wait)."""
+           ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """logits [S, V] in the model's dtype -> (token ids [S], logprobs of the raw distribution [S, V] or empty, each
+    beam group's K best candidates as (accumulated logprobs, beam * V + token), best first). Everything but a plain
+    argmax runs in float32. `argmax`: each row's first maximum (a backend's kernel). `stage`: how per-row settings
+    reach the device (the runner's, whose copies never make the host wait)."""
     if batch.greedy_only:  # float32 holds every bfloat16 / float16 value exactly: the same first maximum, no copy
-        return argmax(logits), torch.empty(0)
+        return argmax(logits), torch.empty(0), []
     stage = stage or Staging(logits.device)
     logits = logits.float()
-    want_logprobs = any(p.logprobs is not None for p in batch.params)
+    want_logprobs = any(p.needs_logprobs for p in batch.params)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else torch.empty(0)
+    candidates = _beam_candidates(logits, batch, stage)
     logits = apply_min_tokens(apply_penalties(logits, batch, stage), batch, stage)
     greedy = argmax(logits)
     random_rows = [i for i, p in enumerate(batch.params) if p.temperature > 0]
     if not random_rows:
-        return greedy, raw_logprobs
+        return greedy, raw_logprobs, candidates
     params = [batch.params[i] for i in random_rows]
     rows = stage.to_device("random_rows", np.array(random_rows, dtype=np.int64))
     x = logits[rows] / _per_row(stage, "temperature", [p.temperature for p in params])[:, None]
@@ -116,7 +120,31 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, argmax: Argmax = torch_op
         noise[j].exponential_(generator=gen)
     chosen = argmax(probs / noise)
     greedy[rows] = chosen
-    return greedy, raw_logprobs
+    return greedy, raw_logprobs, candidates
+
+
+def _beam_candidates(logits: torch.Tensor, batch: SamplingBatch, stage: Staging
+                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per beam group: the K best of (beam score + the token's logprob) over its beams' vocabularies, as transformers'
+    beam search ranks them: log_softmax of the raw logits, then min_tokens' bans (-inf) on the logprobs."""
+    found = []
+    for g, (rows, scores, k) in enumerate(batch.beams):
+        lp = torch.log_softmax(logits[stage.to_device(f"beam_rows{g}", np.array(rows, dtype=np.int64))], dim=-1)
+        banned = [(r, t) for r, row in enumerate(rows) for t in _banned(batch, row)]
+        if banned:
+            at = stage.to_device(f"beam_banned{g}", np.array(banned, dtype=np.int64).T.copy())
+            lp[at[0], at[1]] = float("-inf")
+        acc = lp + _per_row(stage, f"beam_scores{g}", scores)[:, None]
+        found.append(acc.reshape(-1).topk(k))
+    return found
+
+
+def _banned(batch: SamplingBatch, i: int) -> list[int]:
+    """Tokens row i may not pick yet: its stop tokens and EOS, until it has min_tokens."""
+    p = batch.params[i]
+    if not (p.min_tokens and batch.steps[i] < p.min_tokens):
+        return []
+    return [*p.stop_token_ids, *([] if p.ignore_eos else batch.eos_ids or [])]
 
 
 def _per_row(stage: Staging, name: str, values: list[float]) -> torch.Tensor:

@@ -21,6 +21,13 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: off; N >= 0: the sampled token's logprob and the top N
+    # Several continuations of one prompt, prefilled once and sharing its KV blocks (engine.group):
+    n: int = 1  # continuations returned
+    best_of: int | None = None  # continuations run (sampling), the n of highest cumulative logprob returned; None: n
+    use_beam_search: bool = False  # beam search (greedy: temperature 0) instead of sampling
+    beam_width: int | None = None  # beams; None: best_of, else n
+    length_penalty: float = 1.0  # beam search: a finished beam's score is its logprob / length ** length_penalty
+    early_stopping: bool | str = False  # beam search: True, False or "never", as in transformers' generate
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -53,6 +60,27 @@ class SamplingParams:
             bad("presence_penalty and frequency_penalty must be in [-2, 2]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        self._validate_continuations(bad)
+
+    def _validate_continuations(self, bad) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            bad(f"n must be an integer >= 1, got {self.n!r}")
+        if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
+            bad(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
+        if self.beam_width is not None and (not isinstance(self.beam_width, int) or self.beam_width < self.n):
+            bad(f"beam_width must be an integer >= n ({self.n}), got {self.beam_width!r}")
+        if self.early_stopping not in (True, False, "never"):
+            bad(f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")
+        if not self.use_beam_search:
+            if self.beam_width is not None:
+                bad("beam_width is for beam search: set use_beam_search")
+            return
+        # Beam search ranks every beam's continuations by their logprob: nothing is drawn, nothing is reshaped.
+        sampled = self.temperature != 0 or self.top_p != 1 or self.top_k or self.min_p
+        if sampled or self.uses_history:
+            bad("beam search is greedy: give temperature 0 and no top_p, top_k, min_p or penalties")
+        if self.stop:
+            bad("beam search does not take stop strings (stop_token_ids and EOS do end a beam)")
 
     @property
     def uses_history(self) -> bool:
@@ -62,3 +90,21 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def needs_logprobs(self) -> bool:
+        """Whether sampling must compute its rows' logprobs: asked for, or best_of's ranking of continuations."""
+        return self.logprobs is not None or (not self.use_beam_search and self.width > self.n)
+
+    @property
+    def width(self) -> int:
+        """Sequences run at once: the beams, or best_of (n) continuations sampled."""
+        if self.use_beam_search:
+            return self.beam_width or self.best_of or self.n
+        return self.best_of or self.n
+
+    @property
+    def streams(self) -> bool:
+        """Whether each continuation's tokens can be reported as they come: not when the ones returned are picked
+        at the end (beam search, best_of > n)."""
+        return not self.use_beam_search and self.width == self.n

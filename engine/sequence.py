@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 from enum import Enum, auto
 
@@ -46,14 +47,26 @@ class Sequence:
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         # Fixed for the request's life, so the step's per-token checks are a set lookup and two compares.
-        self.plain_greedy = params.temperature == 0 and params.logprobs is None and not (
-            params.min_tokens or params.uses_history)
+        self.plain_greedy = params.temperature == 0 and not (
+            params.min_tokens or params.uses_history or params.needs_logprobs or params.use_beam_search)
         self.min_len = self.num_prompt_tokens + params.min_tokens  # a stop token ends it from this length on
         self.max_len = self.num_prompt_tokens + params.max_tokens
         if max_model_len is not None:
             self.max_len = min(self.max_len, max_model_len)
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
         self.detok = None  # the engine's Detokenizer for it
+        self.group = None  # the engine.group.Group it is a continuation or beam of, if any
+        self.index = 0  # its continuation's index in the group
+        self.cumulative_logprob = 0.0  # of its output tokens, where the group needs it (best_of, beams)
+
+    def fork(self, index: int, seed: int) -> Sequence:
+        """Another continuation from where this one is: the same tokens and progress, no blocks yet (the block
+        manager shares this one's), its own seed and index."""
+        child = copy.copy(self)
+        child.token_ids = list(self.token_ids)
+        child.block_table, child.table_row, child.block_hashes = [], -1, list(self.block_hashes)
+        child.index, child.seed = index, seed
+        return child
 
     @property
     def num_tokens(self) -> int:

@@ -54,7 +54,8 @@ def _triton(device: str) -> Backend:
     why = triton_ops.runnable(device)
     if why:
         raise ValueError(f"attention_backend='triton' cannot run here: {why}; use attention_backend='torch'")
-    return Backend("triton", triton_ops.store_kv, triton_ops.paged_attention, graph_safe=True)
+    return Backend("triton", triton_ops.store_kv, triton_ops.paged_attention, graph_safe=True,
+                   copy_blocks=triton_ops.copy_blocks)
 
 
 def _cpu(build_root: Path | None, fallback: bool) -> Backend:
@@ -63,7 +64,8 @@ def _cpu(build_root: Path | None, fallback: bool) -> Backend:
     why = cpu_ops.load(build_root or Path(tempfile.gettempdir()) / "pagedq-kernels")
     if why is None:
         return Backend("cpu", cpu_ops.store_kv, cpu_ops.paged_attention, argmax=cpu_ops.argmax, planned=True,
-                       layers=cpu_ops, linears=cpu_ops, linear_paths=cpu_ops.linear_paths(), decoder=cpu_ops.Decoder)
+                       layers=cpu_ops, linears=cpu_ops, linear_paths=cpu_ops.linear_paths(), decoder=cpu_ops.Decoder,
+                       copy_blocks=cpu_ops.copy_blocks)
     if not fallback:
         raise ValueError(f"attention_backend='cpu' cannot run here: {why}; use attention_backend='torch'")
     log.warning("attention and layers in torch (slower): %s", why)

@@ -24,6 +24,8 @@ class Backend:
     store_kv: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
     argmax: Callable[[torch.Tensor], torch.Tensor] = torch_ops.argmax  # each row's first maximum (greedy tokens)
+    # copy_blocks(kv_cache, pairs): KV blocks copied on write, every layer at once (kernels.torch_ops.copy_blocks)
+    copy_blocks: Callable[[torch.Tensor, torch.Tensor], None] = torch_ops.copy_blocks
     graph_safe: bool = False  # no host sync, no allocation sized by tensor contents: CUDA graphs may capture it
     planned: bool = False  # paged_attention takes a dict kept for one step (plan=), shared by every layer
     # rms_norm, add_rms_norm, rotary and silu_and_mul in one pass each (LlamaForCausalLM.use_fast_layers); None: the

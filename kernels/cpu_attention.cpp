@@ -512,6 +512,27 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   });
 }
 
+// Whole blocks within the cache [2, layers, blocks, ...]: block pairs[0][i] into pairs[1][i], keys and values of
+// every layer (a block forked continuations share, copied before one of them writes into it).
+void copy_blocks(at::Tensor kv_cache, const at::Tensor& pairs) {
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() >= 3, "copy_blocks: a contiguous [2, layers, blocks, ...] cache");
+  TORCH_CHECK(pairs.scalar_type() == at::kLong && pairs.dim() == 2 && pairs.size(0) == 2 && pairs.is_contiguous(),
+              "copy_blocks: int64 pairs [2, P]");
+  const int64_t planes = kv_cache.size(0) * kv_cache.size(1), blocks = kv_cache.size(2), n = pairs.size(1);
+  const int64_t bytes = kv_cache.stride(2) * kv_cache.element_size();
+  const int64_t* src = pairs.data_ptr<int64_t>();
+  const int64_t* dst = src + n;
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(src[i] >= 0 && src[i] < blocks && dst[i] >= 0 && dst[i] < blocks, "copy_blocks: block out of range");
+  char* base = static_cast<char*>(kv_cache.data_ptr());
+  at::parallel_for(0, planes * n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      char* plane = base + (j / n) * blocks * bytes;
+      std::memcpy(plane + dst[j % n] * bytes, plane + src[j % n] * bytes, bytes);
+    }
+  });
+}
+
 std::vector<int64_t> head_sizes() { return {std::begin(kHeadSizes), std::end(kHeadSizes)}; }
 
 bool decode_uses_amx() {
@@ -527,4 +548,5 @@ bool decode_uses_amx() {
 TORCH_LIBRARY_IMPL(pagedq, CPU, m) {
   m.impl("decode_attention", &pagedq::decode_attention);
   m.impl("store_kv", &pagedq::store_kv);
+  m.impl("copy_blocks", &pagedq::copy_blocks);
 }

@@ -18,6 +18,7 @@ TORCH_LIBRARY(pagedq, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor rows, Tensor seqs, Tensor seq_lens, "
         "Tensor block_table, float scale, Tensor(a!) out) -> ()");
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def("copy_blocks(Tensor(a!) kv_cache, Tensor pairs) -> ()");
   // cpu_prefill.cpp
   m.def("prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqs, Tensor query_start_loc, "
         "Tensor seq_lens, Tensor block_table, float scale, Tensor(a!) out) -> ()");

@@ -18,6 +18,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
                       const at::Tensor& block_table, double scale, at::Tensor out);
 void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slot_mapping);
+void copy_blocks(at::Tensor kv_cache, const at::Tensor& pairs);
 std::vector<int64_t> head_sizes();  // the head sizes decode and prefill attention are built for
 bool decode_uses_amx();             // bfloat16 decodes run on AMX tiles here
 

@@ -53,6 +53,12 @@ def store_kv(
     torch.ops.pagedq.store_kv(k, v, k_cache, v_cache, slot_mapping.to(torch.int64).contiguous())
 
 
+def copy_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
+    """kernels.torch_ops.copy_blocks's contract: a memcpy per block, layer and keys or values, spread over threads."""
+    if pairs.shape[1]:
+        torch.ops.pagedq.copy_blocks(kv_cache, pairs.contiguous())
+
+
 def _heads_contiguous(x: torch.Tensor) -> bool:
     return x.stride(2) == 1 and x.stride(1) == x.shape[2]
 

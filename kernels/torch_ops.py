@@ -18,6 +18,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def copy_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
+    """Copy whole KV blocks within the cache, every layer's keys and values at once: kv_cache [2, layers, blocks,
+    ...], pairs [2, P] int64, block pairs[0][i] into block pairs[1][i] (copy-on-write of a block that forked
+    continuations share). One gather and one scatter however many blocks and layers."""
+    if pairs.shape[1]:
+        kv_cache[:, :, pairs[1]] = kv_cache[:, :, pairs[0]]
+
+
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:

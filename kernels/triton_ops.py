@@ -213,6 +213,31 @@ def _merge_kernel(
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
+@triton.jit
+def _copy_blocks_kernel(cache_ptr, pairs_ptr, num_pairs, blocks_per_plane, block_elems, CHUNK: tl.constexpr):
+    """Program (pair, plane): block pairs[0][pair] into pairs[1][pair] in one layer's keys or values."""
+    pair = tl.program_id(0)
+    plane = tl.program_id(1).to(tl.int64)
+    src = tl.load(pairs_ptr + pair)
+    dst = tl.load(pairs_ptr + num_pairs + pair)
+    base = plane * blocks_per_plane * block_elems
+    for start in range(0, block_elems, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ok = offs < block_elems
+        x = tl.load(cache_ptr + base + src * block_elems + offs, mask=ok)
+        tl.store(cache_ptr + base + dst * block_elems + offs, x, mask=ok)
+
+
+def copy_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
+    """kernels.torch_ops.copy_blocks's contract: one launch for every block, layer and keys or values."""
+    num_pairs = pairs.shape[1]
+    if num_pairs == 0:
+        return
+    planes = kv_cache.shape[0] * kv_cache.shape[1]
+    _copy_blocks_kernel[(num_pairs, planes)](kv_cache, pairs.contiguous(), num_pairs, kv_cache.shape[2],
+                                             kv_cache.stride(2), CHUNK=1024)
+
+
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:

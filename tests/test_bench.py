@@ -211,3 +211,21 @@ def test_mfu_leaves_out_prompt_tokens_the_prefix_cache_served():
     assert run.summary()["cached_prompt_tokens"] == 400
     params = {"body": 1000, "lm_head": 10}
     assert run_flops(params, run) == model_flops(params, 600, 20)
+
+
+def test_parallel_workload_compares_shared_with_unshared(tmp_path, tiny_model):
+    """`pagedq bench -w parallel --quick` on a tiny model: every case run both ways, the sharing visible in the
+    peak blocks, the targets named, the JSON written."""
+    from click.testing import CliRunner
+
+    from cli import main
+
+    r = CliRunner().invoke(main, ["bench", "-w", "parallel", "--quick", "--model", tiny_model("llama"),
+                                  "--out-dir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    data = json.loads((tmp_path / "parallel.json").read_text())
+    assert [c["case"] for c in data["cases"]] == ["n=4", "n=8", "beam 4"]
+    for case in data["cases"]:
+        assert case["shared"]["peak_blocks"] < case["unshared"]["peak_blocks"], case
+        assert case["shared"]["output_tokens"] == case["unshared"]["output_tokens"] > 0
+    assert len(data["targets"]) == 4 and "target n=8: throughput vs unshared" in r.output

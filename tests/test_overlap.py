@@ -152,9 +152,9 @@ def test_steps_scheduled_ahead_give_the_same_outputs(pq_tiny_model, blocks, padd
     fed = []
     launch = engine.runner.run
 
-    def spy(batch, sampling, feed=None):
+    def spy(batch, sampling, feed=None, *rest):
         fed.append("none" if feed is None else "all" if feed.rows is None else "some")
-        return launch(batch, sampling, feed)
+        return launch(batch, sampling, feed, *rest)
 
     engine.runner.run = spy
     overlapped, _ = run(engine, requests)
