@@ -306,7 +306,7 @@ def attention(
         raise ValueError("split-K is for decode-only batches (one new token per sequence)")
     segments = max(1, min(int(segments), MAX_SEGMENTS))
     split = segments > 1
-    block_m, block_q, block_n, block_d = tiles_for(group, head_dim, decode)
+    block_m, block_q, block_n, block_d = tiles_for(group, head_dim, decode, q.dtype == torch.float32)
     tiles = num_seqs if decode else num_tokens // block_q + num_seqs
     if split:
         ws_acc, ws_m, ws_l = _workspace(num_tokens * num_heads * MAX_SEGMENTS, head_dim, q.device)
@@ -333,13 +333,17 @@ def attention(
     return out
 
 
-def tiles_for(group: int, head_dim: int, decode: bool) -> tuple[int, int, int, int]:
+def tiles_for(group: int, head_dim: int, decode: bool, wide: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_Q, BLOCK_N, BLOCK_D) of the attention kernel: rows of a query tile, tokens in it, keys per
     step, padded head size. Decode tiles hold one token, so M is the group padded to 16, tl.dot's minimum; mixed
-    tiles hold as many tokens as fit in 64 rows. Every tl.dot dimension is >= 16, as Hopper requires."""
-    block_m = max(16 if decode else 64, triton.next_power_of_2(group))
+    tiles hold as many tokens as fit in 64 rows. Every tl.dot dimension is >= 16, as Hopper requires. wide: float32
+    elements, twice a half's registers: half the rows and keys per tile (a quarter of the rows past head size 128),
+    or the kernel spills (the compile report)."""
     block_d = _block_d(head_dim)
-    return block_m, 1 if decode else block_m // group, 64 if block_d <= 64 else 32, block_d
+    rows = 16 if decode else 64 // (1 + wide) // (1 + (wide and block_d > 128))
+    block_m = max(rows, triton.next_power_of_2(group))
+    block_n = (64 if block_d <= 64 else 32) // (1 + wide)
+    return block_m, 1 if decode else block_m // group, max(16, block_n), block_d
 
 
 def num_segments(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:

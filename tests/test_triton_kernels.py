@@ -194,7 +194,7 @@ def test_backend_choice(monkeypatch):
 
 def test_every_variant_compiles_for_hopper(tmp_path):
     # The interpreter accepts kernels that the compiler refuses; compile them for sm_90a as a launch specializes
-    # them (no GPU needed), with the resource report: bf16/fp16 must not spill where the engine runs them.
+    # them (no GPU needed), with the resource report: no variant may spill where the engine runs it.
     import json
     import os
     import subprocess
@@ -219,8 +219,8 @@ def test_every_variant_compiles_for_hopper(tmp_path):
     attention = [row for row in rows if row["kernel"] == "_attention_kernel"]
     assert len(attention) >= 3 * len({(row["dtype"], row["head_dim"]) for row in attention})
     assert all(row["cp_async"] and row["shared_bytes"] > 0 and row["hinted_args"] for row in attention)
-    # Half precision at the head sizes of the supported models spills nothing (float32 does: see the table;
-    # head_dim 256 is reported, not held).
-    spilling = [row["variant"] for row in rows if row["dtype"] in ("bf16", "fp16") and row["head_dim"] <= 128
+    # At the head sizes of the supported models nothing spills; float32 runs smaller tiles for it (tiles_for).
+    # bfloat16 at head_dim 256 is reported, not held.
+    spilling = [row["variant"] for row in rows if (row["head_dim"] <= 128 or row["dtype"] == "fp32")
                 and row["spill_stores"] + row["spill_loads"] > 0]
     assert not spilling, spilling
