@@ -62,6 +62,11 @@ class RequestOutput:
         return out
 
     @property
+    def several(self) -> bool:
+        """Whether its request has several continuations (n > 1, best_of, beam search)."""
+        return self._seq.group is not None
+
+    @property
     def request_id(self) -> str:
         return self._seq.request_id
 

@@ -54,8 +54,11 @@ class AsyncClient:
     async def result(self, job_id: str, timeout: float | None = None) -> JobResult:
         return await flows.adrive(self.redis, flows.result(self.keys, job_id, timeout, self.block_chunk_ms))
 
-    def stream(self, job_id: str, timeout: float | None = None, after: str = "0-0") -> AsyncIterator[StreamEvent]:
-        return flows.adrive_iter(self.redis, flows.stream(self.keys, job_id, timeout, after, self.block_chunk_ms))
+    def stream(self, job_id: str, timeout: float | None = None, after: str = "0-0", choice: int | None = None
+               ) -> AsyncIterator[StreamEvent]:
+        """As Client.stream."""
+        return flows.adrive_iter(self.redis, flows.stream(self.keys, job_id, timeout, after, self.block_chunk_ms,
+                                                          choice))
 
     async def cancel(self, job_id: str) -> str:
         return await flows.adrive(self.redis, flows.run_call(calls.cancel(self.keys, job_id, self.result_ttl)))
@@ -81,8 +84,9 @@ class AsyncJob:
     async def result(self, timeout: float | None = None) -> JobResult:
         return await self.client.result(self.id, timeout)
 
-    def stream(self, timeout: float | None = None, after: str = "0-0") -> AsyncIterator[StreamEvent]:
-        return self.client.stream(self.id, timeout, after)
+    def stream(self, timeout: float | None = None, after: str = "0-0", choice: int | None = None
+               ) -> AsyncIterator[StreamEvent]:
+        return self.client.stream(self.id, timeout, after, choice)
 
     async def cancel(self) -> str:
         return await self.client.cancel(self.id)

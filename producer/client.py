@@ -69,10 +69,13 @@ class Client:
         Raises TimeoutError after `timeout` seconds, JobNotFound for an unknown id."""
         return self._run(flows.result(self.keys, job_id, timeout, self.block_chunk_ms))
 
-    def stream(self, job_id: str, timeout: float | None = None, after: str = "0-0") -> Iterator[StreamEvent]:
+    def stream(self, job_id: str, timeout: float | None = None, after: str = "0-0", choice: int | None = None
+               ) -> Iterator[StreamEvent]:
         """Yield the job's events from the start of its stream (or after event id `after`): token chunks,
-        then one terminal event ("done", "error" or "cancelled") that carries the result."""
-        return flows.drive_iter(self.redis, flows.stream(self.keys, job_id, timeout, after, self.block_chunk_ms))
+        then one terminal event ("done", "error" or "cancelled") that carries the result. A job with several
+        continuations (n > 1) interleaves theirs, each event's `index` saying which; `choice` keeps one."""
+        return flows.drive_iter(self.redis, flows.stream(self.keys, job_id, timeout, after, self.block_chunk_ms,
+                                                         choice))
 
     def cancel(self, job_id: str) -> str:
         """Cancel a job. Returns "cancelled" (it was queued), "cancelling" (it runs; the worker stops it soon),
@@ -102,8 +105,9 @@ class Job:
     def result(self, timeout: float | None = None) -> JobResult:
         return self.client.result(self.id, timeout)
 
-    def stream(self, timeout: float | None = None, after: str = "0-0") -> Iterator[StreamEvent]:
-        return self.client.stream(self.id, timeout, after)
+    def stream(self, timeout: float | None = None, after: str = "0-0", choice: int | None = None
+               ) -> Iterator[StreamEvent]:
+        return self.client.stream(self.id, timeout, after, choice)
 
     def cancel(self) -> str:
         return self.client.cancel(self.id)

@@ -195,9 +195,27 @@ def result(keys: Keys, job_id: str, timeout: float | None, chunk_ms: int) -> Flo
             reply = yield op
 
 
-def stream(keys: Keys, job_id: str, timeout: float | None, after: str, chunk_ms: int) -> Flow:
+def stream(keys: Keys, job_id: str, timeout: float | None, after: str, chunk_ms: int, choice: int | None = None
+           ) -> Flow:
     """Emit the job's events from the start of its stream (or after event id `after`): token chunks, then one
-    terminal event that carries the result."""
+    terminal event that carries the result. choice: only that continuation's token chunks (a job with several)."""
+    flow = _stream(keys, job_id, timeout, after, chunk_ms)
+    return flow if choice is None else _choice_only(flow, choice)
+
+
+def _choice_only(flow: Flow, choice: int) -> Flow:
+    """flow without the token events of other continuations than `choice`."""
+    reply = None
+    while True:
+        try:
+            op = flow.send(reply)
+        except StopIteration as stop:
+            return stop.value
+        other = isinstance(op, Emit) and op.event.type == "token" and op.event.index != choice
+        reply = None if other else (yield op)
+
+
+def _stream(keys: Keys, job_id: str, timeout: float | None, after: str, chunk_ms: int) -> Flow:
     if not (yield Cmd("exists", (keys.events(job_id),))):
         # Its events expired before its result (or it never streamed): the stored result is its end.
         raw = yield Cmd("get", (keys.result(job_id),))

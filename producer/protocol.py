@@ -50,6 +50,14 @@ class JobRequest(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: float = Field(default=1.0, gt=0, le=100)
+    # Several continuations of the prompt, on shared KV blocks (the engine's SamplingParams): n returned; best_of
+    # run and the n of highest cumulative logprob returned; or beam search (greedy: temperature 0).
+    n: int = Field(default=1, ge=1)
+    best_of: int | None = Field(default=None, ge=1)
+    use_beam_search: bool = False
+    beam_width: int | None = Field(default=None, ge=1)  # None: best_of, else n
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
     priority: int = 0  # lower runs first
     timeout_s: float | None = Field(default=None, gt=0)  # from enqueue; past it the job expires
     metadata: dict[str, Any] = Field(default_factory=dict)  # opaque to the worker; echoed in the result
@@ -92,6 +100,18 @@ class JobRequest(BaseModel):
             raise ValueError("stop_token_ids must be >= 0")
         return v
 
+    @property
+    def width(self) -> int:
+        """Continuations the job runs at once (the engine's SamplingParams.width)."""
+        if self.use_beam_search:
+            return self.beam_width or self.best_of or self.n
+        return self.best_of or self.n
+
+    @property
+    def several(self) -> bool:
+        """Whether the job has several continuations: its token events say which (index), its result lists them."""
+        return self.width > 1
+
     @model_validator(mode="after")
     def _prompt_xor_messages(self) -> JobRequest:
         if (self.prompt is None) == (self.messages is None):
@@ -116,6 +136,8 @@ class Limits(BaseModel):
     max_tokens: int = 32_768
     max_metadata_bytes: int = 16_384
     max_stop: int = 16
+    max_n: int = 16  # continuations returned
+    max_width: int = 32  # continuations run at once: best_of, beam_width
 
     def check(self, req: JobRequest) -> None:
         """Raise ValueError naming the first limit `req` exceeds."""
@@ -128,6 +150,11 @@ class Limits(BaseModel):
             raise ValueError(f"max_tokens is {req.max_tokens}, the limit is {self.max_tokens}")
         if len(req.stop) > self.max_stop:
             raise ValueError(f"{len(req.stop)} stop strings, the limit is {self.max_stop}")
+        if req.n > self.max_n:
+            raise ValueError(f"n is {req.n}, the limit is {self.max_n}")
+        if req.width > self.max_width:
+            raise ValueError(f"{'beam_width' if req.use_beam_search else 'best_of'} is {req.width}, the limit is "
+                             f"{self.max_width}")
         size = metadata_bytes(req.metadata)
         if size > self.max_metadata_bytes:
             raise ValueError(f"metadata is {size} bytes as JSON, the limit is {self.max_metadata_bytes}")
@@ -159,6 +186,17 @@ class TokenLogprob(BaseModel):
     top: dict[int, float] = Field(default_factory=dict)
 
 
+class Choice(BaseModel):
+    """One continuation of a job with several (n > 1, best_of, beam search), in the order returned."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None = None  # where the engine ranked by it: best_of, beam search
+
+
 class JobResult(BaseModel):
     id: str
     status: JobStatus
@@ -173,6 +211,9 @@ class JobResult(BaseModel):
     model: str | None = None
     logprobs: list[TokenLogprob] | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
+    # A job with several continuations: every one, by index; text, token_ids, finish_reason and logprobs above are
+    # choices[0]'s, and usage counts them all. None for a job with one.
+    choices: list[Choice] | None = None
 
 
 class StreamEvent(BaseModel):
@@ -182,6 +223,8 @@ class StreamEvent(BaseModel):
     text: str = ""  # token: the new text
     token_ids: list[int] = Field(default_factory=list)  # token: the new ids
     logprobs: list[TokenLogprob] | None = None
+    index: int = 0  # token: which continuation, in a job with several (always 0 in a job with one)
+    finish_reason: FinishReason | None = None  # token, in a job with several: this continuation ended here
     result: JobResult | None = None  # terminal events carry the final result
     event_id: str | None = Field(default=None, exclude=True)  # the stream entry id, to resume after it
 

@@ -116,7 +116,7 @@ async def _chunks(p: Parsed, first: StreamEvent, events: AsyncIterator[StreamEve
     ev: StreamEvent | None = first
     while ev is not None:
         if ev.type == "token":
-            yield out.text(ev.text, ev.logprobs)
+            yield out.text(ev.text, ev.logprobs, ev.index)
             ev = await anext(events, None)
             continue
         await settle(ev.result)  # before the last bytes: a client that leaves on [DONE] stops this generator

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 
-from producer.protocol import JobResult, TokenLogprob, Usage
+from producer.protocol import Choice, JobResult, TokenLogprob, Usage
 from serve.translate import Parsed
 
 _FINISH = {"stop": "stop", "length": "length"}
@@ -42,25 +42,32 @@ def logprobs(p: Parsed, lps: list[TokenLogprob] | None) -> dict | None:
             "top_logprobs": [{_token(i): v for i, v in t.top.items()} for t in lps], "text_offset": None}
 
 
-def _choice(p: Parsed, text: str, finish: str | None, lps: dict | None, delta: dict | None = None) -> dict:
+def _choice(p: Parsed, text: str, finish: str | None, lps: dict | None, delta: dict | None = None,
+            index: int = 0) -> dict:
     if p.kind == "completion":
-        return {"index": 0, "text": text, "logprobs": lps, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": lps, "finish_reason": finish}
     if delta is not None:
-        return {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": finish}
-    return {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+        return {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}
+    return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
             "logprobs": lps, "finish_reason": finish}
 
 
-def finish_reason(res: JobResult) -> str:
+def finish_reason(res: JobResult | Choice) -> str:
     return _FINISH.get(res.finish_reason or "", "stop")
 
 
+def choices_of(res: JobResult) -> list[JobResult | Choice]:
+    """The job's continuations: its choices where it has several, else itself."""
+    return list(res.choices) if res.choices else [res]
+
+
 def completion(p: Parsed, res: JobResult) -> dict:
-    """The whole answer of a finished job (status completed)."""
+    """The whole answer of a finished job (status completed); usage counts every choice's tokens."""
+    choices = [_choice(p, c.text, finish_reason(c), logprobs(p, c.logprobs), index=i)
+               for i, c in enumerate(choices_of(res))]
     return {"id": response_id(p), "object": "chat.completion" if p.kind == "chat" else "text_completion",
             "created": int(res.timings.enqueued_at or time.time()), "model": p.model,
-            "choices": [_choice(p, res.text, finish_reason(res), logprobs(p, res.logprobs))],
-            "usage": usage(res.usage), "system_fingerprint": None}
+            "choices": choices, "usage": usage(res.usage), "system_fingerprint": None}
 
 
 class Chunks:
@@ -79,17 +86,20 @@ class Chunks:
         return sse(body)
 
     def first(self) -> bytes:
-        """Chat opens with the assistant's role and no text yet; completions have no such chunk."""
+        """Chat opens each choice with the assistant's role and no text yet; completions have no such chunk."""
         if self.p.kind != "chat":
             return b""
-        return self._frame([_choice(self.p, "", None, None, {"role": "assistant", "content": ""})])
+        return b"".join(self._frame([_choice(self.p, "", None, None, {"role": "assistant", "content": ""}, i)])
+                        for i in range(self.p.request.n))
 
-    def text(self, text: str, lps: list[TokenLogprob] | None) -> bytes:
-        return self._frame([_choice(self.p, text, None, logprobs(self.p, lps), {"content": text})])
+    def text(self, text: str, lps: list[TokenLogprob] | None, index: int = 0) -> bytes:
+        return self._frame([_choice(self.p, text, None, logprobs(self.p, lps), {"content": text}, index)])
 
     def last(self, res: JobResult) -> bytes:
-        """The finish reason, then (when asked for) a chunk with no choices and the usage; then [DONE]."""
-        out = self._frame([_choice(self.p, "", finish_reason(res), None, {})])
+        """Each choice's finish reason, then (when asked for) a chunk with no choices and the usage; then
+        [DONE]."""
+        out = b"".join(self._frame([_choice(self.p, "", finish_reason(c), None, {}, i)])
+                       for i, c in enumerate(choices_of(res)))
         if self.p.include_usage:
             out += self._frame([], usage(res.usage))
         return out + DONE

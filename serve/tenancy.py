@@ -62,9 +62,9 @@ class Limits:
 
 
 def estimate(req: JobRequest) -> int:
-    """The tokens a request is charged at admission: its prompt, estimated, and max_tokens."""
+    """The tokens a request is charged at admission: its prompt, estimated, and max_tokens per continuation run."""
     chars = len(req.prompt) if req.prompt is not None else sum(len(m.content) for m in req.messages or [])
-    return math.ceil(chars / CHARS_PER_TOKEN) + req.max_tokens
+    return math.ceil(chars / CHARS_PER_TOKEN) + req.max_tokens * req.width
 
 
 def job_id(key: ApiKey | None, idempotency_key: str | None) -> str | None:

@@ -1,9 +1,10 @@
 """OpenAI request bodies -> JobRequests. A field pagedq cannot honour is refused with a 400 that names it:
-a client that asks for tools or n=3 learns so at once, instead of getting something else silently.
+a client that asks for tools or JSON mode learns so at once, instead of getting something else silently.
 
 A field sent as null counts as absent (the SDKs and many apps send nulls). Beyond OpenAI's fields, vLLM's
 sampling extensions that the engine has are accepted too (`top_k`, `min_p`, `repetition_penalty`,
-`ignore_eos`, `stop_token_ids`), and `priority`.
+`ignore_eos`, `stop_token_ids`, and on both endpoints `best_of` and beam search: `use_beam_search`,
+`length_penalty`, `early_stopping`, the width being `best_of` or else `n`), and `priority`.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ ENDPOINTS = (CHAT, COMPLETIONS)
 # Fields each endpoint maps onto a JobRequest (or reads itself).
 _COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "max_tokens", "stop", "seed", "n",
            "presence_penalty", "frequency_penalty", "user", "logprobs",
-           "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "priority"}
+           "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "priority", "best_of",
+           "use_beam_search", "length_penalty", "early_stopping"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "metadata", "safety_identifier",
                    "prompt_cache_key", "store", "service_tier", "response_format", "modalities", "tools",
                    "tool_choice", "parallel_tool_calls"}
-_COMPLETION = _COMMON | {"prompt", "best_of", "echo", "suffix"}
+_COMPLETION = _COMMON | {"prompt", "echo", "suffix"}
 # OpenAI fields pagedq does not do at all (named in the 400); any other unknown field is unrecognized.
 _UNSUPPORTED = {"logit_bias": "", "functions": "no function calling", "function_call": "no function calling",
                 "audio": "text only", "prediction": "", "reasoning_effort": "", "verbosity": "",
@@ -77,7 +79,8 @@ def parse(kind: Kind, body: Any, job_id: str | None = None, default_max_tokens: 
     else:
         fields["prompt"] = _prompt(body.get("prompt"))
     for name in ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "top_k",
-                 "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "priority"):
+                 "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "priority", "n", "best_of",
+                 "use_beam_search", "length_penalty", "early_stopping"):
         if name in body:
             fields[name] = body[name]
     max_param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
@@ -111,11 +114,7 @@ def parse(kind: Kind, body: Any, job_id: str | None = None, default_max_tokens: 
 
 def _check_neutral(kind: Kind, body: dict) -> None:
     """Fields that pagedq accepts only at their do-nothing value."""
-    if body.get("n", 1) != 1:
-        raise unsupported("n", "one choice per request (n=1)")
     if kind == "completion":
-        if body.get("best_of", 1) != 1:
-            raise unsupported("best_of", "best_of=1 only")
         if body.get("echo", False):
             raise unsupported("echo")
         if body.get("suffix"):

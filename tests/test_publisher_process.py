@@ -33,14 +33,14 @@ def _follow(engine, tokenizer, prompt: list[int], params: SamplingParams, resume
     engine.add_request("r", prompt_token_ids=prompt, params=params, resume_token_ids=resume[0],
                        resume_text=resume[1])
     job = RunningJob(id="r", entry="0-1", lease="l", attempts=1, enqueued_at=None, started_at=0.0,
-                     resume_ids=resume[0], resume_text=resume[1])
+                     resumed=[[0, resume[0], resume[1], None]] if resume[0] else [])
     view = JobView.begin(job, tokenizer, prompt[-CONTEXT_TOKENS:])
     while True:
         for out in engine.step():
             assert out.text_deferred  # nothing in the step needs the text without stop strings
             view.take(out.new_token_ids, None, out.finish_reason, 0, None, 0.0)
             if out.finished:
-                return out.text, view.text()
+                return out.text, view.choice(0).text()
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -183,7 +183,7 @@ def test_queue_full_auth_and_unsupported_fields(redis_url, queue, start_serve, t
         openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
 
     for extra, param in [({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-                         ({"n": 2}, "n"), ({"logit_bias": {"1": 5}}, "logit_bias"),
+                         ({"n": 0}, "n"), ({"logit_bias": {"1": 5}}, "logit_bias"),
                          ({"response_format": {"type": "json_object"}}, "response_format"),
                          ({"frobnicate": 1}, "frobnicate"), ({"temperature": -1}, "temperature"),
                          ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0].role"),
@@ -196,7 +196,7 @@ def test_queue_full_auth_and_unsupported_fields(redis_url, queue, start_serve, t
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     oa = openai.OpenAI(base_url=f"{base}/v1", api_key="key-one", max_retries=0)
     with pytest.raises(openai.BadRequestError, match="best_of"):
-        oa.completions.create(model="tiny", prompt="x", best_of=3)
+        oa.completions.create(model="tiny", prompt="x", best_of=0)
 
     # The queue holds two jobs (nobody runs them): the third request is turned away with Retry-After.
     with Client(redis_url, queue=queue) as c:

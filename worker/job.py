@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from producer.calls import Delivery
 from producer.protocol import JobRequest
@@ -21,8 +21,19 @@ class RunningJob:
     deadline: float | None = None  # unix time past which it expires
     first_token_at: float | None = None
     emitted: int = 0  # output tokens in its event stream (those of earlier deliveries included)
-    resume_ids: list[int] | None = None  # output an earlier delivery streamed, that this one continues
-    resume_text: str = ""
+    # What earlier deliveries streamed, that this one continues, per continuation (a job with one: index 0):
+    # [index, token ids, text, finish reason if it had ended]. Lists: the job crosses a pipe as JSON.
+    resumed: list[list] = field(default_factory=list)
+
+    def resumed_choice(self, index: int) -> tuple[list[int], str, str | None]:
+        for i, ids, text, reason in self.resumed:
+            if i == index:
+                return ids, text, reason
+        return [], "", None
+
+    @property
+    def resumed_tokens(self) -> int:
+        return sum(len(ids) for _, ids, _, _ in self.resumed)
 
     @property
     def delivery(self) -> Delivery:

@@ -10,20 +10,25 @@ from producer.keys import Keys
 from producer.wire import EVENT_FIELD
 
 
-def read_output(r: redis_lib.Redis, keys: Keys, job_id: str) -> tuple[list[int], str]:
-    """The output token ids and text the job's event stream holds (its token events, in order)."""
-    ids: list[int] = []
-    parts: list[str] = []
+def read_output(r: redis_lib.Redis, keys: Keys, job_id: str) -> list[list]:
+    """What the job's event stream holds of each continuation (its token events, in order) -> [index, token ids,
+    text, finish reason if the continuation ended] per continuation, by index (RunningJob.resumed)."""
+    ids: dict[int, list[int]] = {}
+    parts: dict[int, list[str]] = {}
+    ended: dict[int, str] = {}
     last = "-"
     while True:
         entries = r.xrange(keys.events(job_id), min=last, count=1000)
         if last != "-":
             entries = entries[1:]  # XRANGE's min is inclusive
         if not entries:
-            return ids, "".join(parts)
+            return [[i, ids[i], "".join(parts[i]), ended.get(i)] for i in sorted(ids)]
         for eid, fields in entries:
             ev = json.loads(fields[EVENT_FIELD])
             if ev.get("type") == "token":
-                ids.extend(ev.get("token_ids", []))
-                parts.append(ev.get("text", ""))
+                index = ev.get("index", 0)
+                ids.setdefault(index, []).extend(ev.get("token_ids", []))
+                parts.setdefault(index, []).append(ev.get("text", ""))
+                if ev.get("finish_reason"):
+                    ended[index] = ev["finish_reason"]
             last = eid

@@ -62,7 +62,9 @@ def sampling_params(req: JobRequest) -> SamplingParams:
                               stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
                               logprobs=req.logprobs, presence_penalty=req.presence_penalty,
                               frequency_penalty=req.frequency_penalty,
-                              repetition_penalty=req.repetition_penalty)
+                              repetition_penalty=req.repetition_penalty, n=req.n, best_of=req.best_of,
+                              use_beam_search=req.use_beam_search, beam_width=req.beam_width,
+                              length_penalty=req.length_penalty, early_stopping=req.early_stopping)
     except (ValueError, TypeError) as e:
         raise Rejected("invalid_request", str(e)) from None
 

@@ -207,8 +207,8 @@ class Worker:
                          enqueued_at=started.enqueued_at, started_at=now)
         try:
             if started.emitted:
-                job.resume_ids, job.resume_text = read_output(self.r, self.keys, job_id)
-                job.emitted = len(job.resume_ids)
+                job.resumed = read_output(self.r, self.keys, job_id)
+                job.emitted = job.resumed_tokens
                 log.info("job %s: resuming after %d tokens (attempt %d)", job_id, job.emitted, job.attempts)
             self._add(job, fields, now)
         except Rejected as e:
@@ -231,20 +231,31 @@ class Worker:
         params = sampling_params(req)
         ids = prompt_ids(req, self.engine)
         job.prompt_tokens = len(ids)
-        if job.resume_ids and (len(job.resume_ids) >= req.max_tokens
-                               or len(ids) + len(job.resume_ids) >= self.engine.max_model_len):
+        if job.resumed and self._streamed_all(job, len(ids)):
             # Its last delivery streamed every token it may have but died before the result: finish it here.
             self.publisher.end(job, wire.COMPLETED, "length")
             return
+        resume = {i: (tokens, text, reason) for i, tokens, text, reason in job.resumed}
         try:
             self.engine.add_request(job.id, prompt_token_ids=ids, params=params, priority=req.priority,
-                                    resume_token_ids=job.resume_ids, resume_text=job.resume_text)
+                                    resume=resume)
         except ValueError as e:
             raise Rejected("invalid_request", str(e)) from None
         self.active[job.id] = job
         self.publisher.begin(job, ids)
         self.metrics.running.set(len(self.active))
         self.metrics.job_started(job.enqueued_at, job.started_at, job.prompt_tokens, job.attempts)
+
+    def _streamed_all(self, job: RunningJob, prompt_len: int) -> bool:
+        """Whether every continuation of the job had ended or streamed all the tokens it may have."""
+        req = job.request
+        if not req.several:
+            return self._full(job.resumed_choice(0)[0], prompt_len, req.max_tokens)
+        return all(reason is not None or self._full(tokens, prompt_len, req.max_tokens)
+                   for tokens, _, reason in map(job.resumed_choice, range(req.n)))
+
+    def _full(self, tokens: list[int], prompt_len: int, max_tokens: int) -> bool:
+        return len(tokens) >= max_tokens or prompt_len + len(tokens) >= self.engine.max_model_len
 
     def _step(self) -> None:
         t = time.perf_counter()
@@ -278,7 +289,7 @@ class Worker:
             if job.first_token_at is None and n:
                 job.first_token_at = now
                 firsts.append((job, out))
-            if out.finished:
+            if out.request_finished:
                 del active[out.request_id]
                 ends.append((job, out))
             items.append(out)
@@ -298,7 +309,7 @@ class Worker:
             m.first_token(job.enqueued_at, job.started_at, now, out.num_cached_tokens)
         for job, out in ends:
             m.finished(job.enqueued_at, job.started_at, job.first_token_at, now,
-                       len(out.token_ids) - len(job.resume_ids or ()))
+                       sum(len(c.token_ids) for c in out.choices) - job.resumed_tokens)
         m.engine_state(eng.num_running, eng.num_waiting, eng.num_free_blocks, eng.num_total_blocks)
 
     def _static_info(self) -> dict:

@@ -40,6 +40,16 @@ export interface JobRequest {
   frequency_penalty?: number;
   /** vLLM's: above 1 discourages repeats; 1 is off. */
   repetition_penalty?: number;
+  /** Continuations returned (default 1, at most 16); they share the prompt's KV blocks. */
+  n?: number;
+  /** Continuations run; the n of highest cumulative logprob returned. Default: n. */
+  best_of?: number | null;
+  /** Beam search (greedy: temperature 0), as transformers' generate(num_beams=...). */
+  use_beam_search?: boolean;
+  /** Beams; default best_of, else n. */
+  beam_width?: number | null;
+  length_penalty?: number;
+  early_stopping?: boolean | 'never';
   /** Lower runs first. */
   priority?: number;
   /** Seconds from enqueue; past it the job expires. */
@@ -55,6 +65,8 @@ export interface Limits {
   max_tokens: number;
   max_metadata_bytes: number;
   max_stop: number;
+  max_n: number;
+  max_width: number;
 }
 
 export interface Usage {
@@ -83,6 +95,17 @@ export interface TokenLogprob {
   top: { [tokenId: string]: number };
 }
 
+/** One continuation of a job with several (producer/protocol.py Choice). */
+export interface Choice {
+  index: number;
+  text: string;
+  token_ids: number[];
+  finish_reason: FinishReason | null;
+  logprobs: TokenLogprob[] | null;
+  /** Where the engine ranked by it: best_of, beam search. */
+  cumulative_logprob: number | null;
+}
+
 /** A job's final result (producer/protocol.py JobResult), every field present. */
 export interface JobResult {
   id: string;
@@ -98,6 +121,8 @@ export interface JobResult {
   model: string | null;
   logprobs: TokenLogprob[] | null;
   metadata: { [key: string]: JsonValue };
+  /** A job with several continuations: each, by index (text, token_ids, ... above are choices[0]'s); else null. */
+  choices: Choice[] | null;
 }
 
 interface EventBase {
@@ -113,6 +138,10 @@ export interface TokenEvent extends EventBase {
   text: string;
   /** The new token ids. */
   token_ids: number[];
+  /** Which continuation (0 in a job with one). */
+  index: number;
+  /** In a job with several continuations: this one ended here. */
+  finish_reason: FinishReason | null;
   result: null;
 }
 
@@ -121,6 +150,8 @@ export interface TerminalEvent extends EventBase {
   type: 'done' | 'error' | 'cancelled';
   text: string;
   token_ids: number[];
+  index: number;
+  finish_reason: FinishReason | null;
   result: JobResult;
 }
 
@@ -151,6 +182,8 @@ export interface WaitOptions {
 export interface StreamOptions extends WaitOptions {
   /** Resume after this event id (a stream entry id, e.g. SSE's Last-Event-ID). Default "0-0": from the start. */
   after?: string;
+  /** A job with several continuations: only this one's token events (the terminal event comes as ever). */
+  choice?: number;
 }
 
 export type CancelReply = 'cancelled' | 'cancelling' | TerminalStatus;

@@ -79,10 +79,14 @@ class Publisher:
             ids.append(out.request_id)
             tokens.append(new[0] if len(new) == 1 else new)
             cached.append(out.num_cached_tokens)
-            if out.finished or out.logprobs or not out.text_deferred:  # deferred text: the process decodes it
-                ends += out.finished
-                extras.append((len(ids) - 1, None if out.text_deferred else out.new_text, out.finish_reason,
-                               out.logprobs and [(lp, list(top.items())) for lp, top in out.logprobs]))
+            several = out.several
+            if out.finished or out.logprobs or not out.text_deferred or several:  # deferred text: decoded there
+                ends += out.request_finished
+                extra = (len(ids) - 1, None if out.text_deferred else out.new_text, out.finish_reason,
+                         out.logprobs and [(lp, list(top.items())) for lp, top in out.logprobs])
+                if several:
+                    extra += (out.index, out.request_finished, out.cumulative_logprob)
+                extras.append(extra)
         if ends:
             self._add_acks(ends)
         self._send((messages.STEP, now, ids, tokens, cached, extras))

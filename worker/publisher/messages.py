@@ -20,7 +20,7 @@ from producer.protocol import JobRequest
 from worker.job import RunningJob
 
 if TYPE_CHECKING:
-    from worker.publisher.job_view import JobView
+    from worker.publisher.job_view import ChoiceView, JobView
 
 SETUP, BEGIN, STEP, END, FAIL, RELEASE, FORGET, STOP = (
     "setup", "begin", "step", "end", "fail", "release", "forget", "stop")
@@ -33,14 +33,17 @@ class StepOutput(NamedTuple):
     A step crosses the pipe by column, which encodes several times faster than a record per job: the job ids, the
     new tokens (an int where there is one), the prompt tokens served from the prefix cache, and, for the few jobs
     with more to say, an extra (index, the text the step decoded for stop strings or null, the finish reason,
-    the logprobs). The process rebuilds one StepOutput per job: it decodes the text the step left to it, and
+    the logprobs, and for a job with several continuations: which one, whether the job ends, its cumulative
+    logprob). The process rebuilds one StepOutput per job: it decodes the text the step left to it, and
     counts where the tokens start in the job's stream."""
 
     view: JobView  # the job as the process follows it
-    offset: int  # output tokens the job's event stream holds before these
+    choice: ChoiceView  # the continuation these are of (a job with one: its only one)
+    offset: int  # output tokens the job's event stream holds before these (every continuation's)
     token_ids: list[int]  # the new ones
     text: str  # theirs
-    finish_reason: str | None  # set on the job's last step: stop, length or abort
+    finish_reason: str | None  # set on the continuation's last step: stop, length or abort
+    ends_job: bool  # the job's last step (with one continuation: the same as a finish reason)
     cached_tokens: int
     logprobs: list | None  # per token: (its logprob, {token id: logprob} of the top N)
 

@@ -147,16 +147,18 @@ def _step_outputs(msg: list, views: dict[str, JobView], writer: RedisWriter) -> 
     more = {e[0]: e[1:] for e in extras}
     outputs = []
     for i, job_id in enumerate(ids):
-        text, reason, logprobs = more.get(i, (None, None, None))
+        # (text, reason, logprobs), and for a job with several continuations (index, ends the job, cumulative)
+        text, reason, logprobs, *choice = more.get(i, (None, None, None))
+        ends_job = choice[1] if choice else reason is not None
         view = views.get(job_id)
         if view is None:
             log.error("publisher: tokens for job %s, which never began here", job_id)
-            if reason is not None:
+            if ends_job:
                 writer.on_settled(1)  # it still held the worker's intake room
             continue
         new = [tokens[i]] if isinstance(tokens[i], int) else tokens[i]
-        outputs.append(view.take(new, text, reason, cached[i], logprobs, now))
-        if reason is not None:
+        outputs.append(view.take(new, text, reason, cached[i], logprobs, now, *choice))
+        if ends_job:
             del views[job_id]
     return outputs
 

@@ -129,7 +129,7 @@ class RedisWriter(threading.Thread):
     def _settle(self, batch: list) -> None:
         # Items never written still count as pending acks: release them, or intake would stall.
         n = sum(1 for op in batch if op[0] != "step") + sum(
-            1 for op in batch if op[0] == "step" for out in op[1] if out.finish_reason is not None)
+            1 for op in batch if op[0] == "step" for out in op[1] if out.ends_job)
         self.on_settled(n)
 
     def flush(self, batch: list) -> None:
@@ -158,7 +158,7 @@ class RedisWriter(threading.Thread):
             chunk = None
             if out.token_ids or out.text:
                 chunk = calls.Chunk(job.id, job.lease, out.offset, len(out.token_ids), self._token_event(out))
-            if out.finish_reason is not None:
+            if out.ends_job:
                 # The last chunk rides with the result: a stream never holds all tokens but no end.
                 res = view.result(wire.COMPLETED, self.worker_id, self.model, now, FINISH.get(out.finish_reason))
                 ends.append((job, wire.COMPLETED, calls.complete(self.keys, job.delivery, wire.COMPLETED,
@@ -207,14 +207,21 @@ class RedisWriter(threading.Thread):
             log.info("job %s: handed back to the queue", job.id)
 
     def _token_event(self, out: StepOutput) -> str:
-        if not out.logprobs:  # the hot case, a job per step: a format string, no dict, no generic encoder
+        several = out.view.several
+        if not out.logprobs and not several:  # the hot case, a job per step: a format string, no generic encoder
             ids = ",".join(map(str, out.token_ids))
             return f'{{"type":"token","text":{encode_basestring(out.text)},"token_ids":[{ids}]}}'
-        lps = [TokenLogprob(token_id=t, logprob=lp, top=top)
-               for t, (lp, top) in zip(out.token_ids, out.logprobs, strict=False)]
-        view = out.view
-        if view.logprobs is None:
-            view.logprobs = []
-        view.logprobs.extend(lps)
-        return json.dumps({"type": "token", "text": out.text, "token_ids": out.token_ids,
-                           "logprobs": [x.model_dump() for x in lps]})
+        event = {"type": "token", "text": out.text, "token_ids": out.token_ids}
+        if out.logprobs:
+            lps = [TokenLogprob(token_id=t, logprob=lp, top=top)
+                   for t, (lp, top) in zip(out.token_ids, out.logprobs, strict=False)]
+            choice = out.choice
+            if choice.logprobs is None:
+                choice.logprobs = []
+            choice.logprobs.extend(lps)
+            event["logprobs"] = [x.model_dump() for x in lps]
+        if several:  # which continuation; where it ended, so that a resumed job does not go on with it
+            event["index"] = out.choice.index
+            if out.finish_reason is not None:
+                event["finish_reason"] = FINISH.get(out.finish_reason)
+        return json.dumps(event)

@@ -31,6 +31,7 @@ export function normalizeResult(r) {
     model: r.model ?? null,
     logprobs: r.logprobs ?? null,
     metadata: r.metadata ?? {},
+    choices: r.choices ?? null,
   };
 }
 
@@ -51,6 +52,8 @@ export function parseEvent(entryId, fields) {
     text: e.text ?? '',
     token_ids: e.token_ids ?? [],
     logprobs: e.logprobs ?? null,
+    index: e.index ?? 0,
+    finish_reason: e.finish_reason ?? null,
     result: e.result ? normalizeResult(e.result) : null,
     event_id: String(entryId),
   };
@@ -63,8 +66,8 @@ function isTerminal(ev) {
 // A terminal event rebuilt from a stored result, for a reader that comes after the events expired.
 function resultEvent(raw) {
   const result = parseResult(raw);
-  return { type: TERMINAL_EVENT[result.status] ?? 'error', text: '', token_ids: [], logprobs: null, result,
-    event_id: null };
+  return { type: TERMINAL_EVENT[result.status] ?? 'error', text: '', token_ids: [], logprobs: null, index: 0,
+    finish_reason: null, result, event_id: null };
 }
 
 // The entries of an XREAD reply on one stream, as [id, fields] pairs: RESP2 gives [[name, entries]], RESP3 a
@@ -289,9 +292,16 @@ export class Client {
    * terminal event ("done", "error" or "cancelled") whose `result` is the JobResult. Each event's `event_id` is
    * its stream entry id: pass it as `after` to resume after it (SSE's Last-Event-ID). A stream resumed after
    * its terminal event ends at once. Throws TimeoutError after `timeoutMs` (default: wait for ever),
-   * JobNotFound for an unknown id; `signal` (AbortSignal) stops it.
+   * JobNotFound for an unknown id; `signal` (AbortSignal) stops it. A job with several continuations (n > 1)
+   * interleaves their token events, each event's `index` saying which; `choice` keeps one's.
    */
-  async* stream(jobId, { after = '0-0', timeoutMs, signal } = {}) {
+  async* stream(jobId, { after = '0-0', timeoutMs, signal, choice } = {}) {
+    for await (const ev of this._events(jobId, { after, timeoutMs, signal })) {
+      if (choice === undefined || choice === null || isTerminal(ev) || ev.index === choice) yield ev;
+    }
+  }
+
+  async* _events(jobId, { after, timeoutMs, signal }) {
     checkJobId(jobId);
     if (typeof after !== 'string' || !/^\d+(-\d+)?$/.test(after)) {
       throw new TypeError(`after must be a stream entry id like "1700000000000-0", got ${JSON.stringify(after)}`);

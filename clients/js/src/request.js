@@ -25,6 +25,12 @@ const DEFAULTS = {
   presence_penalty: 0.0,
   frequency_penalty: 0.0,
   repetition_penalty: 1.0,
+  n: 1,
+  best_of: null,
+  use_beam_search: false,
+  beam_width: null,
+  length_penalty: 1.0,
+  early_stopping: false,
   priority: 0,
   timeout_s: null,
   metadata: {},
@@ -37,6 +43,8 @@ export const DEFAULT_LIMITS = Object.freeze({
   max_tokens: 32_768,
   max_metadata_bytes: 16_384,
   max_stop: 16,
+  max_n: 16, // continuations returned
+  max_width: 32, // continuations run at once: best_of, beam_width
 });
 
 const ID_RE = /^[\x21-\x7e]{1,200}$/; // printable ASCII without spaces: it becomes part of key names
@@ -172,6 +180,18 @@ export function makeRequest(request, limits = DEFAULT_LIMITS) {
   req.frequency_penalty = num('frequency_penalty', get('frequency_penalty'), { ge: -2, le: 2 });
   req.repetition_penalty = num('repetition_penalty', get('repetition_penalty'), { gt: 0, le: 100 });
   req.seed = get('seed') === null ? null : int('seed', get('seed'));
+  req.n = int('n', get('n'), { min: 1 });
+  req.best_of = get('best_of') === null ? null : int('best_of', get('best_of'), { min: 1 });
+  req.use_beam_search = get('use_beam_search');
+  if (typeof req.use_beam_search !== 'boolean') {
+    fail('use_beam_search', `must be true or false, got ${show(req.use_beam_search)}`);
+  }
+  req.beam_width = get('beam_width') === null ? null : int('beam_width', get('beam_width'), { min: 1 });
+  req.length_penalty = num('length_penalty', get('length_penalty'), {});
+  req.early_stopping = get('early_stopping');
+  if (![true, false, 'never'].includes(req.early_stopping)) {
+    fail('early_stopping', `must be true, false or "never", got ${show(req.early_stopping)}`);
+  }
 
   let stop = get('stop');
   if (stop === null) stop = [];
@@ -199,6 +219,12 @@ export function makeRequest(request, limits = DEFAULT_LIMITS) {
   return req;
 }
 
+/** Continuations a job runs at once (producer/protocol.py JobRequest.width). */
+export function widthOf(req) {
+  if (req.use_beam_search) return req.beam_width ?? req.best_of ?? req.n;
+  return req.best_of ?? req.n;
+}
+
 /** Throws InvalidRequestError naming the first limit `req` exceeds (producer/protocol.py Limits.check). */
 export function checkLimits(req, limits) {
   const chars = req.prompt !== null ? codePoints(req.prompt)
@@ -211,6 +237,12 @@ export function checkLimits(req, limits) {
   }
   if (req.max_tokens > limits.max_tokens) {
     fail('max_tokens', `max_tokens is ${req.max_tokens}, the limit is ${limits.max_tokens}`);
+  }
+  if (req.n > limits.max_n) fail('n', `n is ${req.n}, the limit is ${limits.max_n}`);
+  const width = widthOf(req);
+  if (width > limits.max_width) {
+    const field = req.use_beam_search ? 'beam_width' : 'best_of';
+    fail(field, `${field} is ${width}, the limit is ${limits.max_width}`);
   }
   if (req.stop.length > limits.max_stop) fail('stop', `${req.stop.length} stop strings, the limit is ${limits.max_stop}`);
   // Python measures json.dumps(metadata) (", " separators, \u escapes): close to this; the worker has the last word.

@@ -118,6 +118,25 @@ describe('submit and result', LIMIT, () => {
     assert.equal(JSON.parse(entries.find(([, f]) => f[1] === id)[1][3]).prompt, 'first');
   });
 
+  test('n continuations: token events say which, a per-choice stream keeps one, the result has them all', async () => {
+    const job = await client.submit({ prompt: 'Two ways', n: 2, max_tokens: 5, temperature: 0.9, seed: 3,
+      ignore_eos: true });
+    const res = await job.result();
+    assert.equal(res.status, 'completed');
+    assert.deepEqual(res.choices.map((c) => c.index), [0, 1]);
+    assert.equal(res.text, res.choices[0].text);
+    assert.equal(res.usage.completion_tokens, 10);
+    const all = await collect(job.stream());
+    for (const choice of res.choices) {
+      const mine = all.filter((e) => e.type === 'token' && e.index === choice.index);
+      assert.deepEqual(mine.flatMap((e) => e.token_ids), choice.token_ids);
+      assert.equal(mine.at(-1).finish_reason, 'length');
+    }
+    const one = await collect(job.stream({ choice: 1 }));
+    assert.equal(one.slice(0, -1).map((e) => e.text).join(''), res.choices[1].text);
+    assert.ok(one.slice(0, -1).every((e) => e.index === 1) && one.at(-1).type === 'done');
+  });
+
   test('a bad request is refused before it reaches Redis', async () => {
     const before = await raw.sendCommand(['XLEN', idle.keys.jobs]);
     await assert.rejects(idle.submit({ prompt: 'x', max_tokens: 0 }),

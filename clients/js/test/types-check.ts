@@ -13,6 +13,11 @@ export async function use(): Promise<string> {
     if (e.type === 'token') text += e.text;
     else if (e.result.error) text += e.result.error.type;
   }
+  const many = await client.submit({ prompt: 'p', n: 2, best_of: 3, early_stopping: 'never' });
+  for await (const ev of many.stream({ choice: 1 })) {
+    if (ev.type === 'token') text += `${ev.index}${ev.finish_reason ?? ''}`;
+  }
+  for (const c of (await many.result()).choices ?? []) text += `${c.index}${c.text}${c.cumulative_logprob ?? ''}`;
   try {
     await client.submitMany([{ prompt: 'a' }, { id: job.id, prompt: 'b' }]);
   } catch (err) {

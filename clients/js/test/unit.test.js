@@ -48,6 +48,12 @@ describe('requests', () => {
     [{ prompt: 'a', metadata: [] }, 'metadata', /plain object/],
     [{ prompt: 'a', metadata: { big: 'x'.repeat(20_000) } }, 'metadata', /limit is 16384/],
     ['a prompt', 'request', /plain object/],
+    [{ prompt: 'a', n: 0 }, 'n', />= 1/],
+    [{ prompt: 'a', n: 17 }, 'n', /n is 17, the limit is 16/],
+    [{ prompt: 'a', n: 2, best_of: 40 }, 'best_of', /best_of is 40, the limit is 32/],
+    [{ prompt: 'a', use_beam_search: true, beam_width: 33, temperature: 0 }, 'beam_width', /limit is 32/],
+    [{ prompt: 'a', use_beam_search: 'yes' }, 'use_beam_search', /true or false/],
+    [{ prompt: 'a', early_stopping: 'sometimes' }, 'early_stopping', /"never"/],
   ];
   for (const [req, field, message] of bad) {
     test(`refuses ${JSON.stringify(req)?.slice(0, 60)}`, () => {
@@ -85,7 +91,10 @@ describe('requests', () => {
       { id: 'c', prompt: 'p', model: 'm', top_p: 0.5, top_k: 3, min_p: 0.1, seed: 7, stop_token_ids: [2],
         ignore_eos: true, logprobs: 2, priority: -1, timeout_s: 30, metadata: { user: 'u', n: [1, { a: null }] },
         presence_penalty: 0.5, frequency_penalty: -1, repetition_penalty: 1.2 },
-      { id: 'd', prompt: 'p', max_tokens: 256, temperature: 1, stop: [], metadata: {} }, // all defaults: left out
+      { id: 'e', prompt: 'p', n: 3, best_of: 5 },
+      { id: 'f', prompt: 'p', n: 2, use_beam_search: true, beam_width: 4, length_penalty: 0.5,
+        early_stopping: 'never', temperature: 0 },
+      { id: 'd', prompt: 'p', max_tokens: 256, temperature: 1, stop: [], metadata: {}, n: 1 }, // all defaults: left out
     ];
     const wire = cases.map((c) => encodeRequest(makeRequest(c)));
     const py = python(`
@@ -99,7 +108,7 @@ print(json.dumps(out))`);
     const js = wire.map((w) => JSON.parse(w));
     assert.deepEqual(js, py.python);
     assert.deepEqual(py.roundtrip, js);
-    assert.deepEqual(Object.keys(js[3]), ['id', 'prompt']);
+    assert.deepEqual(Object.keys(js[5]), ['id', 'prompt']);
   });
 });
 
