@@ -87,6 +87,9 @@ def shape_launches(hq: int, hkv: int, d: int, bs: int, dtype_name: str) -> list:
         triton_ops.paged_attention(q, cache, cache, qsl, lens, table, d**-0.5)
         q, qsl, lens, table = batch([37, 1, 20], [37, 50, 60], 8)  # mixed: prefill, decode, chunk behind a prefix
         triton_ops.paged_attention(q, cache, cache, qsl, lens, table, d**-0.5)
+        # copy-on-write of forked continuations' blocks, every layer's keys and values in one launch
+        kv = torch.zeros(2, 2, 64, bs, hkv, d, dtype=dtype)
+        triton_ops.copy_blocks(kv, torch.tensor([[1, 2], [3, 4]], dtype=torch.int64))
     return launches
 
 

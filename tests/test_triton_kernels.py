@@ -213,7 +213,8 @@ def test_every_variant_compiles_for_hopper(tmp_path):
     print(r.stdout)  # the table: registers, spills and shared memory per variant
     rows = json.loads(report.read_text())
     kinds = {(row["kernel"], row["dtype"], row["head_dim"]) for row in rows}
-    assert {k for k, _, _ in kinds} == {"_store_kv_kernel", "_attention_kernel", "_merge_kernel"}
+    assert {k for k, _, _ in kinds} == {"_store_kv_kernel", "_attention_kernel", "_merge_kernel",
+                                        "_copy_blocks_kernel"}
     assert all(row["registers"] > 0 for row in rows)
     # The launch hints are in: the attention kernels' K/V loads are pipelined (cp.async), in shared memory.
     attention = [row for row in rows if row["kernel"] == "_attention_kernel"]
