@@ -26,6 +26,9 @@ class JobView:
         self.pieces = [job.resume_text]
         self.cached = 0  # prompt tokens served from the prefix cache, as of its latest step
         self.logprobs: list[TokenLogprob] | None = None  # the writer's, in step order
+        # The token chunks the writer sent, in order: what it sends again to a stream that lost its last writes
+        # (a failover promoted a replica that lacked them). The last chunk rides with the result and is not here.
+        self.sent: list = []
         self.detok = detok
 
     @classmethod
