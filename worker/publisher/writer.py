@@ -288,7 +288,8 @@ class RedisWriter(threading.Thread):
                 ends.append(End(view, wire.COMPLETED, calls.complete(
                     self.keys, job.delivery, wire.COMPLETED, res.model_dump_json(), self.ttl, chunk, out.offset)))
             elif chunk:
-                view.sent.append(chunk)
+                if not view.sent or view.sent[-1].offset < chunk.offset:  # not when a failed flush is retried
+                    view.sent.append(chunk)
                 chunks.append((view, chunk))
 
     def _end_call(self, op: tuple) -> End:
