@@ -130,12 +130,17 @@ def status(redis_url, queue, job_id, as_json, all_queues, watch, interval) -> No
         while True:
             queues = fleet.all_queues(c.redis, [queue]) if all_queues else [queue]
             infos = fleet.status_of(c.redis, queues)
+            settings = fleet.redis_settings(c.redis)
             if as_json:
+                for i in infos:
+                    i["redis"] = settings
                 out = infos if all_queues else infos[0]
                 click.echo(json.dumps(out) if watch else json.dumps(out, indent=2))
             else:
                 if watch:
                     click.clear()
+                if settings["warning"]:
+                    click.echo(f"WARNING: {settings['warning']}\n")
                 click.echo("\n\n".join(status_view.queue_table(i) for i in infos))
             if not watch:
                 return

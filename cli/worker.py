@@ -69,6 +69,17 @@ LIMIT_OPTIONS = {"max_prompt_chars": "max_prompt_chars", "max_tokens_limit": "ma
               help="Serve Prometheus metrics on this port")
 @click.option("--heartbeat-s", envvar="PAGEDQ_HEARTBEAT_S", type=float, default=default_of(WorkerConfig, "heartbeat_s"),
               help="Seconds between heartbeats; the worker's record in Redis lives three times as long")
+@click.option("--durability", envvar="PAGEDQ_DURABILITY", type=click.Choice(["async", "replicated"]),
+              default=default_of(WorkerConfig, "durability"), show_default=True,
+              help="replicated: every write waits for replicas (WAIT); a job's end counts once a replica has it")
+@click.option("--durability-replicas", envvar="PAGEDQ_DURABILITY_REPLICAS", type=click.IntRange(min=1),
+              default=default_of(WorkerConfig, "durability_replicas"), show_default=True,
+              help="With --durability replicated: replicas that must confirm each write")
+@click.option("--durability-timeout-ms", envvar="PAGEDQ_DURABILITY_TIMEOUT_MS", type=click.IntRange(min=1),
+              default=default_of(WorkerConfig, "durability_timeout_ms"), show_default=True,
+              help="With --durability replicated: how long one WAIT waits for them")
+@click.option("--strict/--no-strict", envvar="PAGEDQ_STRICT", default=default_of(WorkerConfig, "strict"),
+              help="Refuse to start on a Redis that may evict keys (maxmemory-policy other than noeviction)")
 @click.option("--worker-id", envvar="PAGEDQ_WORKER_ID", default=None, help="Default: hostname-pid-random")
 @click.option("--log-level", envvar="PAGEDQ_LOG_LEVEL", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
 def worker(log_level: str, **options: Any) -> None:
@@ -76,6 +87,15 @@ def worker(log_level: str, **options: Any) -> None:
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     check_redis(options["redis_url"])  # before the model: loading it takes a while, and Redis is the likelier problem
     import redis as redis_lib
+
+    from producer.durability import Durability
+    from worker import preflight
+
+    try:  # a Redis that may lose jobs, or cannot give the durability asked for: said before the model loads
+        preflight.check(options["redis_url"], Durability(options["durability"], options["durability_replicas"],
+                                                         options["durability_timeout_ms"]), options["strict"])
+    except preflight.Refused as e:
+        raise click.ClickException(str(e)) from None
 
     from engine import LLMEngine
     from producer.connection import redact

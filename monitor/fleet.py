@@ -8,6 +8,7 @@ import json
 
 import redis as redis_lib
 
+from producer.durability import eviction_policy, eviction_warning
 from producer.keys import QUEUES, Keys
 from producer.queue_info import queue_info
 
@@ -46,3 +47,10 @@ def all_queues(r: redis_lib.Redis, also: list[str] | tuple[str, ...] = ()) -> li
     """The registry's queues, plus `also` (a queue asked for by name that no worker has served yet)."""
     seen = known_queues(r)
     return seen + [q for q in also if q not in seen]
+
+
+def redis_settings(r: redis_lib.Redis) -> dict:
+    """What the server promises the queues: its maxmemory-policy and maxmemory (None where this user may not read
+    INFO), and a warning when it may evict keys (a job then vanishes without an error)."""
+    policy = eviction_policy(r)
+    return {**(policy or {"maxmemory_policy": None, "maxmemory": None}), "warning": eviction_warning(policy)}

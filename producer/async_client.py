@@ -8,23 +8,27 @@ from typing import Any
 import redis.asyncio as aredis
 
 from producer import calls, defaults, flows
-from producer.client import block_chunk_ms
+from producer.client import block_chunk_ms, durability_for
 from producer.connection import connect_async
+from producer.durability import Durability
 from producer.keys import Keys
 from producer.protocol import JobRequest, JobResult, Limits, StreamEvent
 
 
 class AsyncClient:
-    """`AsyncClient(url, queue="default")`. url None: $REDIS_URL, else redis://localhost:6379/0. A Redis
-    Cluster is found out from any node's URL."""
+    """`AsyncClient(url, queue="default")`, as Client: url None is $REDIS_URL, else redis://localhost:6379/0; a
+    Redis Cluster is found out from any node's URL, a redis+sentinel:// URL finds the primary through Sentinel;
+    durability "replicated" (None: $PAGEDQ_DURABILITY, else "async") acknowledges a submit once a replica has it."""
 
     def __init__(self, url: str | None = None, queue: str = defaults.QUEUE, *, redis: aredis.Redis | None = None,
-                 limits: Limits | None = None, result_ttl: int = defaults.RESULT_TTL_S) -> None:
+                 limits: Limits | None = None, result_ttl: int = defaults.RESULT_TTL_S,
+                 durability: Durability | str | None = None) -> None:
         self.redis = redis if redis is not None else connect_async(url, decode_responses=True)
         self.keys = Keys(queue)
         self.limits = limits or Limits()
         self.result_ttl = result_ttl
         self.block_chunk_ms = block_chunk_ms(self.redis)
+        self.durability = durability_for(self.redis, durability)
 
     def _request(self, request: JobRequest | dict | None, fields: dict[str, Any]) -> JobRequest:
         req = flows.make_request(request, fields)
@@ -33,13 +37,14 @@ class AsyncClient:
 
     async def submit(self, request: JobRequest | dict | None = None, /, **fields: Any) -> AsyncJob:
         req = self._request(request, fields)
-        await flows.adrive(self.redis, flows.run_call(calls.submit(self.keys, req)))
+        await flows.adrive(self.redis, flows.run_call(calls.submit(self.keys, req), self.durability))
         return AsyncJob(self, req.id)
 
     async def submit_many(self, requests: Iterable[JobRequest | dict]) -> list[AsyncJob]:
         reqs = [self._request(r, {}) for r in requests]
         try:
-            ids = await flows.adrive(self.redis, flows.submit_many([calls.submit(self.keys, r) for r in reqs]))
+            ids = await flows.adrive(self.redis, flows.submit_many([calls.submit(self.keys, r) for r in reqs],
+                                                                   self.durability))
         except calls.DuplicateJobError as e:
             e.jobs = [AsyncJob(self, i) for i in e.jobs]
             raise
@@ -61,7 +66,8 @@ class AsyncClient:
                                                           choice))
 
     async def cancel(self, job_id: str) -> str:
-        return await flows.adrive(self.redis, flows.run_call(calls.cancel(self.keys, job_id, self.result_ttl)))
+        return await flows.adrive(self.redis, flows.run_call(calls.cancel(self.keys, job_id, self.result_ttl),
+                                                             self.durability))
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -15,7 +15,7 @@ from typing import Any, Generic, Literal, NamedTuple, TypeVar
 from redis.exceptions import ResponseError
 
 from producer import wire
-from producer.errors import DuplicateJobError, JobNotFound, LeaseLost, OwnerFull
+from producer.errors import DuplicateJobError, JobNotFound, LeaseLost, OwnerFull, StreamGap
 from producer.keys import GROUP, ApiKeyKeys, Keys
 from producer.protocol import JobRequest, JobResult, Timings, Usage
 
@@ -55,6 +55,9 @@ def script_error(err: ResponseError, job_id: str = "") -> Exception:
         return not_found(job_id)
     if code == wire.ERR_LEASE_LOST:
         return LeaseLost(f"job {job_id}: this worker no longer holds it ({err})")
+    if code == wire.ERR_GAP:
+        return StreamGap(f"job {job_id}: its event stream lacks tokens this worker wrote ({err})",
+                         int(str(err).split(" ", 2)[1]))
     if code == wire.ERR_FULL:
         return OwnerFull(str(err).split(" ", 1)[1])
     return err
@@ -182,8 +185,15 @@ Ack = Literal["ok", "cancel", "lost"]
 _ACKS: dict[int, Ack] = {0: "ok", 1: "cancel", -1: "lost"}
 
 
-def _acks(reply: Sequence) -> list[Ack]:
-    return [_ACKS[int(code)] for code in reply]
+class Gap(NamedTuple):
+    """A publish reply for a chunk past a gap: the stream holds only `emitted` output tokens (a failover lost the
+    last ones); nothing was written. The worker sends its chunks again from there."""
+
+    emitted: int
+
+
+def _acks(reply: Sequence) -> list[Ack | Gap]:
+    return [Gap(int(code[0])) if isinstance(code, list) else _ACKS[int(code)] for code in reply]
 
 
 class Chunk(NamedTuple):
@@ -196,8 +206,8 @@ class Chunk(NamedTuple):
     event: str  # the token event as JSON
 
 
-def publish(keys: Keys, chunks: Sequence[Chunk]) -> Call[list[Ack]]:
-    """Reply: an Ack per chunk, in order."""
+def publish(keys: Keys, chunks: Sequence[Chunk]) -> Call[list[Ack | Gap]]:
+    """Reply: an Ack (or a Gap) per chunk, in order."""
     names: list[str] = []
     args: list[Any] = []
     for c in chunks:
@@ -214,14 +224,15 @@ def renew(keys: Keys, s: WorkerSettings, held: Sequence[Delivery]) -> Call[list[
     return Call("renew", [keys.jobs] + [keys.job(d.job_id) for d in held], args, _acks)
 
 
-def complete(keys: Keys, d: Delivery, state: str, result_json: str, ttl: int, chunk: Chunk | None = None
-             ) -> Call[bool]:
-    """End a running job as completed, cancelled or expired, with its last token chunk. Reply: True, or
-    False when a retried call finds it done already. LeaseLost: another worker holds it."""
+def complete(keys: Keys, d: Delivery, state: str, result_json: str, ttl: int, chunk: Chunk | None = None,
+             tokens: int = 0) -> Call[bool]:
+    """End a running job as completed, cancelled or expired, with its last token chunk. `tokens`, without a
+    chunk: the output tokens its stream holds. Reply: True, or False when a retried call finds it done
+    already. LeaseLost: another worker holds it. StreamGap: its stream lacks tokens (send them again)."""
     j = d.job_id
     return Call("complete", [keys.job(j), keys.events(j), keys.result(j), keys.jobs],
                 [d.lease, GROUP, d.entry, state, wire.TERMINAL_EVENT[state], result_json, ttl,
-                 chunk.event if chunk else "", chunk.offset if chunk else 0], _done_now, j)
+                 chunk.event if chunk else "", chunk.offset if chunk else tokens], _done_now, j)
 
 
 def fail(keys: Keys, d: Delivery, result_json: str, ttl: int) -> Call[bool]:

@@ -9,7 +9,8 @@ from typing import Any
 import redis as redis_lib
 
 from producer import calls, defaults, flows
-from producer.connection import connect, socket_timeout_of
+from producer.connection import connect, is_cluster, socket_timeout_of
+from producer.durability import Durability
 from producer.keys import Keys
 from producer.protocol import JobRequest, JobResult, Limits, StreamEvent
 
@@ -20,17 +21,30 @@ def block_chunk_ms(r) -> int:
     return flows.BLOCK_CHUNK_MS if not timeout else max(1, min(flows.BLOCK_CHUNK_MS, int(timeout * 500)))
 
 
+def durability_for(r, durability: Durability | str | None) -> Durability:
+    """The client's durability (None: $PAGEDQ_DURABILITY, else async); "replicated" is refused on a cluster."""
+    d = Durability.of(durability)
+    if d.replicated and is_cluster(r):
+        raise ValueError("durability replicated is not supported on a Redis Cluster (WAIT cannot follow a queue's "
+                         "scripts to their node): use a primary with replicas behind Sentinel, or async")
+    return d
+
+
 class Client:
     """`Client(url, queue="default")`. url None: $REDIS_URL, else redis://localhost:6379/0. A Redis Cluster is
-    found out from any node's URL."""
+    found out from any node's URL; `redis+sentinel://host1:26379,host2:26379/<service>` finds the primary through
+    Sentinel. durability "replicated" (None: $PAGEDQ_DURABILITY, else "async"): a submit or cancel returns once a
+    replica has it, else raises NotReplicated."""
 
     def __init__(self, url: str | None = None, queue: str = defaults.QUEUE, *, redis: redis_lib.Redis | None = None,
-                 limits: Limits | None = None, result_ttl: int = defaults.RESULT_TTL_S) -> None:
+                 limits: Limits | None = None, result_ttl: int = defaults.RESULT_TTL_S,
+                 durability: Durability | str | None = None) -> None:
         self.redis = redis if redis is not None else connect(url, decode_responses=True)
         self.keys = Keys(queue)
         self.limits = limits or Limits()
         self.result_ttl = result_ttl
         self.block_chunk_ms = block_chunk_ms(self.redis)
+        self.durability = durability_for(self.redis, durability)
 
     def _run(self, flow: flows.Flow) -> Any:
         return flows.drive(self.redis, flow)
@@ -44,7 +58,7 @@ class Client:
         """Enqueue one job: `submit(prompt=..., max_tokens=64)`, `submit(messages=[...])` or
         `submit(JobRequest(...))`. Raises DuplicateJobError when a job with this id exists."""
         req = self._request(request, fields)
-        self._run(flows.run_call(calls.submit(self.keys, req)))
+        self._run(flows.run_call(calls.submit(self.keys, req), self.durability))
         return Job(self, req.id)
 
     def submit_many(self, requests: Iterable[JobRequest | dict]) -> list[Job]:
@@ -52,7 +66,7 @@ class Client:
         is submitted, then DuplicateJobError lists the refused ids (and carries the submitted jobs)."""
         reqs = [self._request(r, {}) for r in requests]
         try:
-            ids = self._run(flows.submit_many([calls.submit(self.keys, r) for r in reqs]))
+            ids = self._run(flows.submit_many([calls.submit(self.keys, r) for r in reqs], self.durability))
         except calls.DuplicateJobError as e:
             e.jobs = [Job(self, i) for i in e.jobs]
             raise
@@ -80,7 +94,7 @@ class Client:
     def cancel(self, job_id: str) -> str:
         """Cancel a job. Returns "cancelled" (it was queued), "cancelling" (it runs; the worker stops it soon),
         or its terminal state unchanged."""
-        return self._run(flows.run_call(calls.cancel(self.keys, job_id, self.result_ttl)))
+        return self._run(flows.run_call(calls.cancel(self.keys, job_id, self.result_ttl), self.durability))
 
     def close(self) -> None:
         self.redis.close()

@@ -1,4 +1,9 @@
-"""One Redis URL, a plain server or a Redis Cluster: connect() finds out which and builds the right redis-py client.
+"""One Redis URL, a plain server, a Redis Cluster or a service behind Sentinel: connect() finds out which and builds
+the right redis-py client.
+
+A `redis+sentinel://` (or `rediss+sentinel://`) URL names the Sentinels and the service they monitor
+(producer.sentinel): the client finds the primary through them and follows it after a failover. Such a service is
+never a cluster, so no probe is made.
 
 Any node's plain `redis://` (or `rediss://`) URL works: a probe asks that node `INFO cluster`. An explicit
 `cluster=True/False`, else `$PAGEDQ_REDIS_CLUSTER=1/0`, skips the probe (a proxy that hides the cluster, an ACL
@@ -37,7 +42,7 @@ from redis.exceptions import (
     ResponseError,
 )
 
-from producer import defaults
+from producer import defaults, sentinel
 
 log = logging.getLogger("pagedq.redis")
 
@@ -137,8 +142,11 @@ def _no_cluster_probe(err: ResponseError) -> bool:
 
 
 def detect_cluster(url: str | None = None, **kwargs: Any) -> bool:
-    """Ask the node at `url` whether it runs in cluster mode (one short-lived connection, closed again)."""
+    """Ask the node at `url` whether it runs in cluster mode (one short-lived connection, closed again). A
+    Sentinel URL is never a cluster."""
     url, kwargs = _normalize(url, kwargs)
+    if sentinel.is_sentinel_url(url):
+        return False
     probe = redis_lib.Redis.from_url(_db0(url), **_probe_kwargs(kwargs))
     try:
         try:
@@ -184,6 +192,8 @@ def _check_sync_cluster_kwargs(kwargs: dict[str, Any]) -> None:
 
 def redact(url: str) -> str:
     """The URL without its password, fit for logs and errors."""
+    if sentinel.is_sentinel_url(url):
+        return sentinel.redact(url)
     parts = urlsplit(url)
     if parts.password is None:
         return url
@@ -196,12 +206,19 @@ def _normalize(url: str | None, kwargs: dict[str, Any]) -> tuple[str, dict[str, 
     kwargs = dict(kwargs)
     # ssl=True works for redis-py's cluster clients but a plain client built from a redis:// URL passes it to a
     # plain Connection, which fails with TypeError on the first command: the URL scheme is what both understand.
-    if kwargs.pop("ssl", False) and url.startswith("redis://"):
-        url = "rediss://" + url[len("redis://"):]
+    if kwargs.pop("ssl", False):
+        for plain in ("redis://", "redis+sentinel://"):
+            if url.startswith(plain):
+                url = "rediss" + url[len("redis"):]
     return url, kwargs
 
 
 def _decide(url: str, cluster: bool | None, kwargs: dict[str, Any]) -> bool:
+    if sentinel.is_sentinel_url(url):
+        if cluster:
+            raise ValueError(f"{redact(url)} names a service behind Sentinel, which is never a Redis Cluster: "
+                             f"drop cluster=True / {ENV_CLUSTER}=1")
+        return False
     choice = cluster_override(cluster)
     return detect_cluster(url, **kwargs) if choice is None else choice
 
@@ -213,6 +230,8 @@ def connect(url: str | None = None, *, cluster: bool | None = None, **kwargs: An
     Raises ValueError for a database other than 0 on a cluster."""
     url, kwargs = _normalize(url, kwargs)
     if not _decide(url, cluster, kwargs):
+        if sentinel.is_sentinel_url(url):
+            return sentinel.connect(url, **kwargs)
         return redis_lib.Redis.from_url(url, **kwargs)
     ckw = _cluster_kwargs(url, kwargs)
     _check_sync_cluster_kwargs(ckw)
@@ -233,6 +252,8 @@ class AsyncRedisCluster(acluster.RedisCluster):
 
 def _make_async(url: str, is_cluster: bool, kwargs: dict[str, Any]) -> AsyncClient:
     if not is_cluster:
+        if sentinel.is_sentinel_url(url):
+            return sentinel.connect_async(url, **kwargs)
         return aredis.Redis.from_url(url, **kwargs)
     # No I/O here: the client learns the slot map on its first command.
     return AsyncRedisCluster.from_url(url, **_cluster_kwargs(url, kwargs))

@@ -8,3 +8,6 @@ RESULT_TTL_S = 24 * 3600  # a result, its event stream and its job hash live thi
 LEASE_MS = 30_000  # a job whose lease is not renewed for this long is taken over by another worker
 MAX_ATTEMPTS = 3  # deliveries that did not finish before a job goes to the dead-letter stream
 DLQ_CAP = 10_000  # dead letters kept per queue (approximately: MAXLEN ~)
+DURABILITY = "async"  # or "replicated": each write waits for replicas (WAIT; producer.durability)
+DURABILITY_REPLICAS = 1  # replicated: replicas that must confirm a write
+DURABILITY_TIMEOUT_MS = 1000  # replicated: how long one WAIT waits for them

@@ -27,3 +27,25 @@ class LeaseLost(PagedqError):
 
 class OwnerFull(PagedqError):
     """The API key that submits a job has as many jobs queued or running on the queue as it may (submit.lua)."""
+
+
+class StreamGap(PagedqError):
+    """complete.lua's GAP: the job's event stream holds only `emitted` output tokens, fewer than the worker wrote
+    (a failover promoted a replica that lacked the last ones). The worker sends them again, then completes."""
+
+    def __init__(self, message: str, emitted: int) -> None:
+        super().__init__(message)
+        self.emitted = emitted
+
+
+class NotReplicated(PagedqError):
+    """Durability "replicated": the primary has the write, but fewer replicas than asked confirmed it within the
+    timeout (WAIT), so a failover now could lose it. `outcomes`: each call's outcome, as if it had succeeded;
+    `acked`: the replicas that confirmed; `ids`: the jobs the calls were about."""
+
+    def __init__(self, message: str, acked: int, needed: int, outcomes: list | None = None,
+                 ids: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.acked, self.needed = acked, needed
+        self.outcomes = outcomes or []
+        self.ids = ids or []

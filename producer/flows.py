@@ -17,6 +17,7 @@ from redis.exceptions import NoScriptError
 
 from producer import scripts, wire
 from producer.calls import Call, not_found
+from producer.durability import Durability
 from producer.errors import DuplicateJobError
 from producer.keys import Keys
 from producer.protocol import JobRequest, JobResult, StreamEvent
@@ -54,32 +55,42 @@ def _evalsha(call: Call) -> Cmd:
     return Cmd("execute_command", ("EVALSHA", scripts.sha(call.script), len(call.keys), *call.keys, *call.args))
 
 
-def run_calls(calls: Sequence[Call]) -> Flow:
-    """Run `calls` in one round trip. Returns each call's outcome: its named result or its error."""
-    replies = list((yield Pipe([_evalsha(c) for c in calls])))
+def run_calls(calls: Sequence[Call], durability: Durability | None = None) -> Flow:
+    """Run `calls` in one round trip. Returns each call's outcome: its named result or its error. With durability
+    "replicated" the round trip ends with WAIT, and NotReplicated (which carries the outcomes) is raised when
+    fewer replicas than asked confirmed the writes."""
+    wait = [Cmd("execute_command", durability.wait_args())] if durability and durability.replicated else []
+    replies = list((yield Pipe([*(_evalsha(c) for c in calls), *wait])))
+    acked = replies.pop() if wait else None
     missing = [i for i, x in enumerate(replies) if isinstance(x, NoScriptError)]
     if missing:
         # Redis restarted or its scripts were flushed: NOSCRIPT means nothing of that call ran, so it is safe
         # to load the scripts and run those calls again.
         for name in sorted({calls[i].script for i in missing}):
             yield Cmd("script_load", (scripts.source(name),))
-        again = yield Pipe([_evalsha(calls[i]) for i in missing])
+        # The second WAIT covers the first round trip's writes too: a replica confirms an offset, not a write.
+        again = list((yield Pipe([*(_evalsha(calls[i]) for i in missing), *wait])))
+        acked = again.pop() if wait else None
         for i, x in zip(missing, again, strict=True):
             replies[i] = x
-    return [c.outcome(x) for c, x in zip(calls, replies, strict=True)]
+    outs = [c.outcome(x) for c, x in zip(calls, replies, strict=True)]
+    done = [c.job_id for c, o in zip(calls, outs, strict=True) if not isinstance(o, Exception)]
+    if wait and done:  # an error reply wrote nothing: nothing to confirm
+        durability.check(acked, outs, [i for i in done if i])
+    return outs
 
 
-def run_call(call: Call) -> Flow:
+def run_call(call: Call, durability: Durability | None = None) -> Flow:
     """Run one call; its error reply is raised as a typed error."""
-    (out,) = yield from run_calls([call])
+    (out,) = yield from run_calls([call], durability)
     if isinstance(out, Exception):
         raise out
     return out
 
 
-def submit_many(calls: Sequence[Call[str]]) -> Flow:
+def submit_many(calls: Sequence[Call[str]], durability: Durability | None = None) -> Flow:
     """Submit jobs in one round trip; a duplicate id anywhere raises once, naming all of them."""
-    outs = yield from run_calls(calls)
+    outs = yield from run_calls(calls, durability)
     dups = [c.job_id for c, o in zip(calls, outs, strict=True) if isinstance(o, DuplicateJobError)]
     for o in outs:
         if isinstance(o, Exception) and not isinstance(o, DuplicateJobError):

@@ -59,8 +59,9 @@ ERR_NOT_FOUND = "NOT_FOUND"  # cancel, retry: no such job or dead letter
 ERR_LEASE_LOST = "LEASE_LOST"  # complete, fail, release: the caller no longer holds the job
 ERR_NO_PAYLOAD = "NO_PAYLOAD"  # retry: the dead letter holds no job JSON
 ERR_BUSY = "BUSY"  # retry: a job with this id is live again
+ERR_GAP = "GAP"  # complete: the event stream lacks tokens the worker wrote (a failover lost them): send them again
 ERR_FULL = "FULL"  # submit: the API key that submits it has as many jobs queued or running as it may
-ERRORS = (ERR_DUPLICATE, ERR_NOT_FOUND, ERR_LEASE_LOST, ERR_NO_PAYLOAD, ERR_BUSY, ERR_FULL)
+ERRORS = (ERR_DUPLICATE, ERR_NOT_FOUND, ERR_LEASE_LOST, ERR_NO_PAYLOAD, ERR_BUSY, ERR_FULL, ERR_GAP)
 
 # ---- release modes ----
 HANDBACK = "handback"

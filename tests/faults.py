@@ -3,7 +3,11 @@ logs, requests and checks of the fault tests."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
+from pathlib import Path
 
 from producer import JobRequest
 
@@ -59,3 +63,26 @@ def check_all(c, reqs, results, pq_reference, pq_check_stream) -> dict:
     assert [r.token_ids for r in results] == [x[0] for x in ref]
     assert [r.text for r in results] == [x[1] for x in ref]
     return {"in": len(reqs), "out": len(results), "resumed": sum(r.attempts > 1 for r in results)}
+
+
+def family(pid: int) -> list[int]:
+    """The process and its children (a worker and its publisher process)."""
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        kids = []
+    return [pid, *map(int, kids)]
+
+
+def freeze(p) -> list[int]:
+    """SIGSTOP a worker and its publisher process, as a host cut off the network would look to Redis."""
+    pids = family(p.pid)
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    return pids
+
+
+def thaw(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)

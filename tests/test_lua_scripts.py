@@ -21,7 +21,7 @@ import pytest
 from redis.exceptions import ResponseError
 
 from producer import calls, scripts, wire
-from producer.errors import DuplicateJobError, JobNotFound, LeaseLost, OwnerFull
+from producer.errors import DuplicateJobError, JobNotFound, LeaseLost, OwnerFull, StreamGap
 from producer.keys import GROUP, ApiKeyKeys, BatchKeys, Keys
 from producer.protocol import JobRequest, Usage
 
@@ -216,7 +216,7 @@ def test_publish(q):
     assert q.run(calls.publish(q.k, [q.chunk(d, 0)])) == ["ok"]
     assert q.run(calls.publish(q.k, [q.chunk(d, 0)])) == ["ok"]  # a retry: written before, not again
     assert q.r.xlen(q.k.events("a")) == 1
-    assert q.run(calls.publish(q.k, [q.chunk(d, 5)])) == ["lost"]  # a gap
+    assert q.run(calls.publish(q.k, [q.chunk(d, 5)])) == [calls.Gap(1)]  # a gap: the stream holds 1 token
     q.run(calls.cancel(q.k, "a", 60))
     assert q.run(calls.publish(q.k, [q.chunk(d, 1)])) == ["cancel"]
     stale = calls.Delivery("a", d.entry, "someone-else")
@@ -250,6 +250,20 @@ def test_complete_when_the_last_chunk_was_written_before(q):
     q.run(calls.publish(q.k, [q.chunk(d, 0)]))
     assert q.run(calls.complete(q.k, d, wire.COMPLETED, "{}", 60, q.chunk(d, 0))) is True
     assert q.r.xlen(q.k.events("a")) == 2  # the chunk once, then the terminal event
+
+
+def test_complete_after_a_gap(q):
+    """A stream that lost its last tokens (a failover) refuses the end until they are written again."""
+    d = q.running("a")
+    q.run(calls.publish(q.k, [q.chunk(d, 0)]))
+    gap = q.run(calls.complete(q.k, d, wire.COMPLETED, "{}", 60, q.chunk(d, 3)))
+    assert isinstance(gap, StreamGap) and gap.emitted == 1
+    gap = q.run(calls.complete(q.k, d, wire.COMPLETED, "{}", 60, tokens=2))  # no last chunk: all its tokens
+    assert isinstance(gap, StreamGap) and gap.emitted == 1
+    assert q.state("a") == wire.RUNNING and q.r.xlen(q.k.events("a")) == 1  # nothing written
+    assert q.run(calls.publish(q.k, [q.chunk(d, 1, 2)])) == ["ok"]
+    assert q.run(calls.complete(q.k, d, wire.COMPLETED, "{}", 60, q.chunk(d, 3))) is True
+    assert q.r.xlen(q.k.events("a")) == 4
 
 
 def test_fail(q):

@@ -6,6 +6,7 @@
                that is not the request's fault), so it is retried and then dead-lettered.
 --crash MARK:  the worker SIGKILLs itself once a job holding MARK has produced tokens: the worker dies on every
                delivery of that job, as an out-of-memory kill would do it.
+--step-delay-ms MS: each engine step takes MS longer (a slower model), so that a test can act mid-job.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -46,15 +48,28 @@ def crash(mark: str) -> None:
     worker_mod.Worker._step = _step
 
 
+def step_delay(ms: float) -> None:
+    step = worker_mod.Worker._step
+
+    def _step(self):
+        time.sleep(ms / 1000)
+        step(self)
+
+    worker_mod.Worker._step = _step
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--poison")
     ap.add_argument("--crash")
+    ap.add_argument("--step-delay-ms", type=float)
     ap.add_argument("rest", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     if a.poison:
         poison(a.poison)
     if a.crash:
         crash(a.crash)
+    if a.step_delay_ms:
+        step_delay(a.step_delay_ms)
     rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
     main(["worker", *rest], prog_name="pagedq")

@@ -31,3 +31,7 @@ class WorkerConfig:
     limits: Limits = field(default_factory=Limits)
     metrics_port: int | None = None
     heartbeat_s: float = 5.0  # how often the worker's record in Redis is renewed; it lives 3x as long
+    durability: str = defaults.DURABILITY  # async | replicated: each write waits for replicas (producer.durability)
+    durability_replicas: int = defaults.DURABILITY_REPLICAS
+    durability_timeout_ms: int = defaults.DURABILITY_TIMEOUT_MS
+    strict: bool = False  # refuse to start on a Redis that may evict keys (a maxmemory-policy but noeviction)

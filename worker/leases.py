@@ -15,19 +15,22 @@ import time
 import redis as redis_lib
 
 from producer import calls
+from producer.durability import ASYNC_DURABILITY, Durability
 from producer.keys import Keys
 from worker.heartbeat import Heartbeat
-from worker.pipeline import run_calls
+from worker.pipeline import run_calls_noting
 
 log = logging.getLogger("pagedq.worker")
 
 
 class LeaseKeeper(threading.Thread):
     def __init__(self, r: redis_lib.Redis, keys: Keys, settings: calls.WorkerSettings, held,
-                 notices: queue.SimpleQueue, heartbeat: Heartbeat | None = None) -> None:
+                 notices: queue.SimpleQueue, heartbeat: Heartbeat | None = None,
+                 durability: Durability = ASYNC_DURABILITY, metrics=None) -> None:
         """`held()` returns the jobs to renew (RunningJob); lost leases and cancels go to `notices`."""
         super().__init__(name="pagedq-leases", daemon=True)
         self.r, self.keys, self.settings = r, keys, settings
+        self.durability, self.metrics = durability, metrics
         self.held = held
         self.notices = notices
         self.heartbeat = heartbeat
@@ -72,7 +75,8 @@ class LeaseKeeper(threading.Thread):
         jobs = self.held()
         if not jobs:
             return
-        (acks,) = run_calls(self.r, [calls.renew(self.keys, self.settings, [j.delivery for j in jobs])], retries=1)
+        (acks,) = run_calls_noting(self.r, [calls.renew(self.keys, self.settings, [j.delivery for j in jobs])],
+                                   self.durability, self.metrics, retries=1)
         if isinstance(acks, Exception):
             raise acks
         for job, ack in zip(jobs, acks, strict=True):

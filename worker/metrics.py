@@ -40,8 +40,8 @@ class _Nop:
 
 class Metrics:
     """What the worker, its publisher and its heartbeat observe. Its publisher's writer reports through
-    publish_round_trip, lease_lost, job_done and dead_letter (worker.publisher.writer.WriterMetrics), from
-    another process."""
+    publish_round_trip, lease_lost, job_done, dead_letter, not_replicated and resent (worker.publisher.writer.
+    WriterMetrics), from another process."""
 
     def __init__(self, queue: str, port: int | None = None, model: str = "") -> None:
         self.queue, self.model = queue, model
@@ -51,7 +51,7 @@ class Metrics:
         self.jobs_finished = 0
         nop = _Nop()
         for name in ("jobs", "tokens", "prompt_tokens", "cached_tokens", "preemptions", "retries", "dead_letters",
-                     "lease_losses", "steps", "step_seconds", "publish_seconds", "batch_seqs", "batch_tokens",
+                     "lease_losses", "unreplicated", "resent_tokens", "steps", "step_seconds", "publish_seconds", "batch_seqs", "batch_tokens",
                      "queue_wait", "ttft", "tpot", "e2e", "running", "running_seqs", "waiting_seqs",
                      "pending_acks", "kv_free", "kv_used", "kv_total", "depth", "pending", "oldest_pending_age",
                      "oldest_waiting_age", "dlq_length", "live_workers"):
@@ -88,6 +88,10 @@ class Metrics:
         self.retries = counter("pagedq_job_retries", "Deliveries of a job after its first (reclaimed or retried)")
         self.dead_letters = counter("pagedq_dead_letters", "Jobs this worker sent to the dead-letter stream")
         self.lease_losses = counter("pagedq_lease_losses", "Writes refused because the job's lease was lost")
+        self.unreplicated = counter("pagedq_unreplicated_writes", "Round trips of writes fewer replicas than "
+                                    "asked confirmed in time (durability replicated)", ["queue"])
+        self.resent_tokens = counter("pagedq_resent_tokens", "Tokens written again to a stream that had lost them "
+                                     "(a failover promoted a replica without the last writes)", ["queue"])
         self.steps = counter("pagedq_engine_steps", "Engine steps")
         # ---- histograms ----
         self.queue_wait = histogram("pagedq_queue_wait_seconds", "Enqueue to start on a worker", QUEUE_WAIT_BUCKETS)
@@ -162,6 +166,14 @@ class Metrics:
 
     def publish_round_trip(self, seconds: float) -> None:
         self.publish_seconds.observe(seconds)
+
+    def not_replicated(self) -> None:
+        """A round trip of writes whose WAIT counted fewer replicas than durability asks."""
+        self.unreplicated.inc()
+
+    def resent(self, tokens: int) -> None:
+        """Tokens sent again to a job's stream after a failover lost them there."""
+        self.resent_tokens.inc(tokens)
 
     # ---- steps and state -----------------------------------------------------------------------------------
 

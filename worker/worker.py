@@ -19,13 +19,14 @@ import redis as redis_lib
 
 from producer import calls, scripts, wire
 from producer.connection import connect, is_cluster
+from producer.durability import Durability
 from producer.keys import GROUP, Keys
 from worker.config import WorkerConfig
 from worker.heartbeat import Heartbeat
 from worker.job import RunningJob
 from worker.leases import LeaseKeeper
 from worker.metrics import Metrics
-from worker.pipeline import run_calls
+from worker.pipeline import run_calls_noting
 from worker.publisher import DIED, Publisher
 from worker.publisher.messages import Setup, tokenizer_spec
 from worker.resume import read_output
@@ -49,6 +50,10 @@ class Worker:
                        socket_timeout=max(config.socket_timeout, config.block_ms / 1000 + 2),
                        socket_connect_timeout=5, socket_keepalive=True)
         self.r = redis if redis is not None else connect(config.redis_url, **options)
+        self.durability = Durability(config.durability, config.durability_replicas, config.durability_timeout_ms)
+        if self.durability.timeout_ms >= 1000 * options["socket_timeout"]:
+            raise ValueError(f"the durability timeout ({self.durability.timeout_ms} ms) must be shorter than the "
+                             f"socket timeout ({options['socket_timeout']} s)")
         self.settings = calls.WorkerSettings(self.id, config.lease_ms, config.max_attempts, config.result_ttl,
                                              config.dlq_cap)
         self.metrics = Metrics(config.queue, config.metrics_port, model=engine.model_name)
@@ -60,12 +65,12 @@ class Worker:
         # The publisher process connects from the URL (a `redis` client given here serves the loop's own calls).
         self.publisher = Publisher(
             Setup(config.redis_url, options, is_cluster(self.r), config.queue, self.settings, self.model,
-                  tokenizer_spec(engine.tokenizer), log.getEffectiveLevel()), self.metrics)
+                  tokenizer_spec(engine.tokenizer), log.getEffectiveLevel(), self.durability), self.metrics)
         self.last_step_s = 0.0
         self.heartbeat = Heartbeat(self.r, self.keys, self.id, self._static_info(), config.heartbeat_s, self.metrics,
                                    self._live_state, config.lease_ms)
         self.leases = LeaseKeeper(self.r, self.keys, self.settings, lambda: list(self.active.copy().values()),
-                                  self.publisher.notices, self.heartbeat)
+                                  self.publisher.notices, self.heartbeat, self.durability, self.metrics)
         # Jobs on their last delivery after failed ones (start.lua said "later"): each runs alone, once the
         # engine is empty, so that a job that kills its workers takes no other job down with it.
         self.deferred: list[tuple[str, dict]] = []
@@ -182,7 +187,8 @@ class Worker:
         # A foreign producer may XADD without an id field: the entry id names the job then.
         taken = [(calls.Delivery((f or {}).get(wire.ENTRY_ID) or entry, entry, secrets.token_hex(8)), f or {})
                  for entry, f in entries]
-        outs = run_calls(self.r, [calls.start(self.keys, d, self.settings, now, alone) for d, _ in taken])
+        outs = run_calls_noting(self.r, [calls.start(self.keys, d, self.settings, now, alone) for d, _ in taken],
+                                self.durability, self.metrics)
         for (d, fields), out in zip(taken, outs, strict=True):
             if isinstance(out, Exception):
                 log.error("job %s: start failed: %s", d.job_id, out)

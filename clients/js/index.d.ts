@@ -158,7 +158,11 @@ export interface TerminalEvent extends EventBase {
 export type StreamEvent = TokenEvent | TerminalEvent;
 
 export interface ClientOptions {
-  /** Default: $REDIS_URL, else redis://localhost:6379/0. Ignored when `redis` is given. */
+  /**
+   * Default: $REDIS_URL, else redis://localhost:6379/0. Ignored when `redis` is given.
+   * `redis+sentinel://[user:pass@]host1:26379,host2:26379/<service>[/<db>]` (or rediss+sentinel://) finds the
+   * primary through Sentinel and follows it after a failover.
+   */
   url?: string;
   /** Default "default": 1-128 characters of [A-Za-z0-9_.:-]. */
   queue?: string;
@@ -250,6 +254,16 @@ export const STATES: readonly JobStatus[];
 export const TERMINAL_STATES: readonly TerminalStatus[];
 export const TERMINAL_EVENT: { readonly [S in TerminalStatus]: TerminalEvent['type'] };
 export const DEFAULT_URL: string;
+
+/** Whether `url` is a redis+sentinel:// or rediss+sentinel:// URL. */
+export function isSentinelUrl(url: string): boolean;
+/** node-redis createSentinel() options from a Sentinel URL; a TypeError says what is wrong with a bad one. */
+export function parseSentinelUrl(url: string): {
+  name: string;
+  sentinelRootNodes: Array<{ host: string; port: number }>;
+  nodeClientOptions: { database: number; username?: string; password?: string; socket?: { tls: true } };
+  sentinelClientOptions: { username?: string; password?: string; socket?: { tls: true } };
+};
 export const DEFAULT_TTL: number;
 export const DEFAULT_LIMITS: Readonly<Limits>;
 

@@ -52,6 +52,9 @@ class JobView:
             self.choices[index] = ChoiceView(index, self._decoder(ids, text), ids, text, _ENGINE.get(reason, reason))
         self.emitted = sum(len(c.ids) for c in self.choices.values())  # output tokens its event stream holds
         self.cached = 0  # prompt tokens served from the prefix cache, as of its latest step
+        # The token chunks the writer sent, in order: what it sends again to a stream that lost its last writes
+        # (a failover promoted a replica that lacked them). The last chunk rides with the result and is not here.
+        self.sent: list = []
 
     @classmethod
     def begin(cls, job: RunningJob, tokenizer, context: list[int]) -> JobView:

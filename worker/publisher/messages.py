@@ -16,6 +16,7 @@ import dataclasses
 from typing import TYPE_CHECKING, NamedTuple
 
 from producer import calls
+from producer.durability import ASYNC_DURABILITY, Durability
 from producer.protocol import JobRequest
 from worker.job import RunningJob
 
@@ -58,13 +59,15 @@ class Setup:
     model: str
     tokenizer: tuple[str, str]  # ("rust", its JSON) or ("folder", where transformers loads it from)
     log_level: int
+    durability: Durability = ASYNC_DURABILITY
 
     def to_wire(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_wire(cls, d: dict) -> Setup:
-        return cls(**{**d, "settings": calls.WorkerSettings(**d["settings"]), "tokenizer": tuple(d["tokenizer"])})
+        return cls(**{**d, "settings": calls.WorkerSettings(**d["settings"]), "tokenizer": tuple(d["tokenizer"]),
+                      "durability": Durability(**d["durability"])})
 
 
 def tokenizer_spec(tokenizer) -> tuple[str, str]:

@@ -74,6 +74,12 @@ class RelayedMetrics:
     def dead_letter(self) -> None:
         self.up(messages.METRIC, "dead_letter")
 
+    def not_replicated(self) -> None:
+        self.up(messages.METRIC, "not_replicated")
+
+    def resent(self, tokens: int) -> None:
+        self.up(messages.METRIC, "resent", tokens)
+
 
 def serve(down: Connection, up: _Up) -> None:
     from worker import LOG_FORMAT
@@ -88,7 +94,7 @@ def serve(down: Connection, up: _Up) -> None:
             up(messages.SETTLED, n)
 
     writer = RedisWriter(_connect(setup), Keys(setup.queue), setup.settings, setup.model, RelayedMetrics(up), up,
-                         settled)
+                         settled, setup.durability)
     writer.start()
     views: dict[str, JobView] = {}
     while True:

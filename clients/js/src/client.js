@@ -6,6 +6,7 @@ import { DuplicateJobError, JobNotFound, TimeoutError } from './errors.js';
 import { Keys } from './keys.js';
 import { DEFAULT_LIMITS, encodeRequest, makeRequest } from './request.js';
 import { evalMany, evalScript, script } from './scripts.js';
+import { connectSentinel, isSentinelUrl } from './sentinel.js';
 import { ERR_DUPLICATE, ERR_NOT_FOUND, EVENT_FIELD, EV_TOKEN, TERMINAL_EVENT } from './wire.js';
 
 export const DEFAULT_URL = 'redis://localhost:6379/0';
@@ -112,7 +113,8 @@ function checkJobId(jobId) {
 }
 
 /**
- * `new Client({url, queue, resultTtl, limits, redis})`. url: $REDIS_URL, else redis://localhost:6379/0.
+ * `new Client({url, queue, resultTtl, limits, redis})`. url: $REDIS_URL, else redis://localhost:6379/0;
+ * `redis+sentinel://host1:26379,host2:26379/<service>[/<db>]` finds the primary through Sentinel.
  * Connects on first use (or `await client.connect()`); `await client.close()` when done.
  */
 export class Client {
@@ -129,7 +131,9 @@ export class Client {
     this.url = redis ? undefined : url || process.env.REDIS_URL || DEFAULT_URL;
     // node-redis emits "error" on every failed (re)connect; an EventEmitter without a listener would crash the
     // app. Commands meanwhile fail on their own.
-    this.redis = redis ?? createClient({ url: this.url }).on('error', (e) => this.onError(e));
+    // A redis+sentinel:// URL finds the primary through Sentinel and follows it after a failover (sentinel.js).
+    const made = redis ? null : isSentinelUrl(this.url) ? connectSentinel(this.url) : createClient({ url: this.url });
+    this.redis = redis ?? made.on('error', (e) => this.onError(e));
     this._connecting = null;
     this._idle = []; // blocking connections ready for reuse
     this._busy = new Set(); // blocking connections in an XREAD now

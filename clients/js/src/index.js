@@ -5,6 +5,7 @@ export { Client, Job, DEFAULT_TTL, DEFAULT_URL, normalizeResult, parseEvent } fr
 export { DuplicateJobError, InvalidRequestError, JobNotFound, PagedqError, TimeoutError } from './errors.js';
 export { Keys, checkQueue, GROUP, PREFIX } from './keys.js';
 export { STATES, TERMINAL_STATES, TERMINAL_EVENT } from './wire.js';
+export { isSentinelUrl, parseSentinelUrl } from './sentinel.js';
 export { DEFAULT_LIMITS, encodeRequest, makeRequest, newId } from './request.js';
 
 /** `createClient(options)`: the same as `new Client(options)`. */

@@ -3,7 +3,7 @@
 // (a PING answered, a job's state), never for a fixed time.
 
 import { execFileSync, spawn } from 'node:child_process';
-import { accessSync, constants, mkdtempSync, openSync, readFileSync, rmSync } from 'node:fs';
+import { accessSync, constants, mkdtempSync, openSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { createServer } from 'node:net';
 import { tmpdir } from 'node:os';
 import { delimiter, join, resolve } from 'node:path';
@@ -75,15 +75,15 @@ export async function waitFor(what, check, limitMs = 60_000) {
   }
 }
 
-/** Starts redis-server on a free port in a temporary folder; `await srv.stop()` ends it. */
-export async function startRedis() {
+/** Starts redis-server on a free port in a temporary folder (`extra`: more arguments); `await srv.stop()` ends it. */
+export async function startRedis(...extra) {
   const bin = redisBinary();
   for (let attempt = 0; ; attempt++) {
     const port = await freePort();
     const dir = mkdtempSync(join(tmpdir(), 'pagedq-js-redis-'));
     const proc = track(spawn(bin, ['--port', String(port), '--bind', '127.0.0.1', '--dir', dir, '--daemonize', 'no',
       '--protected-mode', 'no', '--save', '', '--appendonly', 'no', '--loglevel', 'warning',
-      '--logfile', join(dir, 'redis.log')], { stdio: 'ignore' }));
+      '--logfile', join(dir, 'redis.log'), ...extra], { stdio: 'ignore' }));
     let exited = false;
     proc.on('exit', () => { exited = true; });
     const url = `redis://127.0.0.1:${port}/0`;
@@ -116,6 +116,51 @@ export async function startRedis() {
     rmSync(dir, { recursive: true, force: true });
     if (attempt >= 4) throw new Error(`redis-server (${bin}) did not start`);
   }
+}
+
+/**
+ * Starts one Sentinel (`redis-server <conf> --sentinel`, quorum 1) that monitors the primary on `primaryPort` as
+ * service `service`, and waits until it names that primary; `await s.stop()` ends it.
+ */
+export async function startSentinel(primaryPort, service = 'pq', downAfterMs = 1000) {
+  const port = await freePort();
+  const dir = mkdtempSync(join(tmpdir(), 'pagedq-js-sentinel-'));
+  const conf = join(dir, 'sentinel.conf');
+  writeFileSync(conf, [`port ${port}`, 'bind 127.0.0.1', `dir ${dir}`, `logfile ${join(dir, 'sentinel.log')}`,
+    `sentinel monitor ${service} 127.0.0.1 ${primaryPort} 1`, `sentinel down-after-milliseconds ${service} ${downAfterMs}`,
+    `sentinel failover-timeout ${service} 180000`, ''].join('\n'));
+  const proc = track(spawn(redisBinary(), [conf, '--sentinel'], { stdio: 'ignore' }));
+  let exited = false;
+  proc.on('exit', () => { exited = true; });
+  const probe = createClient({ url: `redis://127.0.0.1:${port}`, socket: { reconnectStrategy: false } })
+    .on('error', () => {});
+  const sentinel = {
+    port,
+    /** The primary's port, as this Sentinel names it now. */
+    async primaryPort() {
+      if (!probe.isOpen) await probe.connect();
+      const addr = await probe.sendCommand(['SENTINEL', 'GET-MASTER-ADDR-BY-NAME', service]);
+      return addr ? Number(addr[1]) : null;
+    },
+    async stop() {
+      if (probe.isOpen) await probe.close();
+      if (!exited) {
+        const gone = new Promise((ok) => proc.once('exit', ok));
+        proc.kill('SIGKILL');
+        await gone;
+      }
+      rmSync(dir, { recursive: true, force: true });
+    },
+  };
+  await waitFor(`a Sentinel on port ${port}`, async () => {
+    if (exited) throw new Error(`redis-server --sentinel exited; see ${dir}`);
+    try {
+      return (await sentinel.primaryPort()) === primaryPort;
+    } catch {
+      return false;
+    }
+  }, 20_000);
+  return sentinel;
 }
 
 let model;
