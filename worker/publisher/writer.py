@@ -299,7 +299,7 @@ class RedisWriter(threading.Thread):
             _, _, status, reason, now = op
             res = view.result(status, self.worker_id, self.model, now, reason)
             return End(view, status, calls.complete(self.keys, job.delivery, status, res.model_dump_json(), self.ttl,
-                                                    tokens=len(view.ids)))
+                                                    tokens=view.emitted))
         if kind == "release":
             _, _, mode, err, _ = op
             return End(view, "released", calls.release(self.keys, job.delivery, self.settings, mode, err.type,
