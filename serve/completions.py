@@ -132,19 +132,23 @@ async def _chunks(queues: Queues, p: Parsed, first: StreamEvent, sub: Subscripti
     yield out.first()
     ev = first
     while True:
-        if ev.type == "token":
-            yield out.text(ev.text, ev.logprobs)
-            try:
-                ev = await sub.next()
-            except redis_lib.RedisError as e:  # Redis went away mid-stream: say so, as the SDKs read errors
-                yield responses.sse(redis_refusal(e, queues.config, queues.metrics).body())
+        # Every event that came already goes out in one write: the terminal one, if any, is the last.
+        events = [ev, *sub.ready()]
+        text = b"".join(out.text(e.text, e.logprobs) for e in events if e.type == "token")
+        if text:
+            yield text
+        end = events[-1]
+        if end.terminal:
+            await settle(end.result)  # before the last bytes: a client that leaves on [DONE] stops this generator
+            if end.type == "done":
+                yield out.last(end.result)
+            else:  # failed, expired or cancelled mid-way: the SDKs raise on a chunk that holds an error
+                yield responses.sse(from_result(end.result).body())
                 yield responses.DONE
-                return
-            continue
-        await settle(ev.result)  # before the last bytes: a client that leaves on [DONE] stops this generator
-        if ev.type == "done":
-            yield out.last(ev.result)
-        else:  # failed, expired or cancelled mid-way: the SDKs raise on a chunk that holds an error
-            yield responses.sse(from_result(ev.result).body())
+            return
+        try:
+            ev = await sub.next()
+        except redis_lib.RedisError as e:  # Redis went away mid-stream: say so, as the SDKs read errors
+            yield responses.sse(redis_refusal(e, queues.config, queues.metrics).body())
             yield responses.DONE
-        return
+            return

@@ -52,18 +52,33 @@ class Subscription:
         self.after = after  # deliver only entries after this id (None: every entry read for the stream)
         self.queue: asyncio.Queue[StreamEvent | BaseException] = asyncio.Queue()
         self.backlog: list[StreamEvent] = []  # events read before the reader's, when the stream was followed
+        self.error: BaseException | None = None  # met by ready(), raised by the next next()
         self.closed = False
 
     async def next(self) -> StreamEvent:
         """The job's next event (the last is terminal); raises the Redis error that ended the reader's wait."""
         if self.backlog:
             return self.backlog.pop(0)
+        if self.error is not None:
+            raise self.error
         if self.closed:
             raise RuntimeError(f"{self.key}: no more events")
         item = await self.queue.get()
         if isinstance(item, BaseException):
             raise item
         return item
+
+    def ready(self) -> list[StreamEvent]:
+        """The events that came already, without waiting: a stream writes them in one go (one write, not one
+        per token, when a busy server falls behind its readers)."""
+        out, self.backlog = self.backlog, []
+        while self.error is None and not self.queue.empty():
+            item = self.queue.get_nowait()
+            if isinstance(item, BaseException):
+                self.error = item
+            else:
+                out.append(item)
+        return out
 
     async def result(self) -> JobResult:
         """The job's result: its events read up to the terminal one."""

@@ -3,13 +3,15 @@ the event readers (serve.events) that follow the jobs its requests wait on.
 
 Short commands (submits, status reads, the Batch API's) share `redis_connections` pooled connections: a command
 that finds them all busy waits up to `redis_wait_s` for one (redis-py's BlockingConnectionPool), and past that the
-request gets 429 (RedisBusy): the server is overloaded, Redis is not down. On a Redis Cluster, redis-py's cluster
-client keeps a pool per node of the same size, which refuses at once instead of waiting (also a 429).
+request gets 429 (RedisBusy): the server is overloaded, Redis is not down. On a Redis Cluster the same bound holds
+over all nodes together (_WaitingCluster).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -17,7 +19,13 @@ import redis as redis_lib
 import redis.asyncio as aredis
 
 from producer import AsyncClient
-from producer.connection import cluster_override, connect_async, detect_cluster, resolve_url
+from producer.connection import (
+    AsyncRedisCluster,
+    cluster_override,
+    connect_async,
+    detect_cluster,
+    resolve_url,
+)
 from serve.config import ServeConfig
 from serve.errors import APIError
 from serve.events import EventReaders
@@ -42,6 +50,45 @@ class _WaitingPool(aredis.BlockingConnectionPool):
             raise
 
 
+class _WaitingCluster(AsyncRedisCluster):
+    """redis-py's cluster client refuses a command past its per-node bound on connections (MaxConnectionsError);
+    this one lets at most `max_connections` commands out at once over all nodes, and the next waits for a turn
+    (RedisBusy after `wait_s`), as the plain pool does."""
+
+    limit = 16  # commands out at once (connect_pool sets both from the settings)
+    wait_s = 10.0
+    _turns: asyncio.Semaphore | None = None
+
+    @contextlib.asynccontextmanager
+    async def _turn(self) -> AsyncIterator[None]:
+        if self._turns is None:
+            self._turns = asyncio.Semaphore(self.limit)
+        try:
+            await asyncio.wait_for(self._turns.acquire(), self.wait_s)
+        except asyncio.TimeoutError:
+            raise RedisBusy(f"all {self.limit} Redis connections of this process stayed busy for {self.wait_s} s") \
+                from None
+        try:
+            yield
+        finally:
+            self._turns.release()
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        async with self._turn():
+            return await super().execute_command(*args, **kwargs)
+
+    def pipeline(self, *args: Any, **kwargs: Any) -> Any:
+        pipe = super().pipeline(*args, **kwargs)
+        execute = pipe.execute
+
+        async def in_turn(*a: Any, **kw: Any) -> Any:
+            async with self._turn():
+                return await execute(*a, **kw)
+
+        pipe.execute = in_turn
+        return pipe
+
+
 def connect_pool(config: ServeConfig) -> Any:
     """The process's client: a bounded, waiting pool on a plain Redis; redis-py's cluster client (with per-node
     pools of the same bound) on a cluster; the producer's client for other URL kinds."""
@@ -56,7 +103,10 @@ def connect_pool(config: ServeConfig) -> Any:
         return aredis.Redis.from_pool(pool)
     if cluster:
         kwargs["max_connections"] = config.redis_connections
-    return connect_async(url, cluster=cluster, **kwargs)
+    client = connect_async(url, cluster=cluster, cluster_class=_WaitingCluster, **kwargs)
+    if isinstance(client, _WaitingCluster):
+        client.limit, client.wait_s = config.redis_connections, config.redis_wait_s
+    return client
 
 
 class Queues:

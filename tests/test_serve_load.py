@@ -197,3 +197,47 @@ def test_redis_stopped_under_load(queue, pq_tiny_model, start_worker, start_serv
         oa.close()
         stop_process(worker, 30)  # before its Redis goes for good
 
+
+
+def test_readers_per_slot_on_a_cluster(redis_cluster, cluster_queues, pq_tiny_model, start_worker, start_serve):
+    """Two queues on two masters, one serve process pointed at any node: a reader per queue's slot, each on the
+    node that serves it (a command's keys must share a slot), and every answer whole."""
+    qa, qb = cluster_queues
+    url = redis_cluster.urls[0]
+    flags = ("--max-num-seqs", "32", "--num-kv-blocks", "512", "--max-model-len", "128")
+    start_worker(qa, pq_tiny_model, *flags, "--served-model-name", "a", url=url)
+    start_worker(qb, pq_tiny_model, *flags, "--served-model-name", "b", url=url)
+    base = start_serve(qa, "--route", f"a={qa}", "--route", f"b={qb}", url=url)
+
+    async def one(http: httpx.AsyncClient, model: str, i: int, stream: bool) -> tuple[str, str]:
+        body = {"model": model, "prompt": f"{model} {i}", "max_tokens": 6, "ignore_eos": True, "temperature": 0,
+                "stream": stream}
+        if not stream:
+            r = await http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["id"].split("-", 1)[1], r.json()["choices"][0]["text"]
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            chunks = [json.loads(line[6:]) async for line in r.aiter_lines() if line.startswith("data: {")]
+        return chunks[0]["id"].split("-", 1)[1], "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+
+    async def load() -> list[tuple[str, str, str]]:
+        async with httpx.AsyncClient(base_url=base, timeout=180) as http:
+            work = [(m, i, i % 2 == 0) for m in ("a", "b") for i in range(40)]
+            outs = await asyncio.gather(*(one(http, m, i, s) for m, i, s in work))
+        return [(m, job, text) for (m, _, _), (job, text) in zip(work, outs, strict=True)]
+
+    from producer import Client
+
+    answers = asyncio.run(load())
+    clients = {"a": Client(url, queue=qa), "b": Client(url, queue=qb)}
+    for model, job, text in answers:
+        res = clients[model].result(job, timeout=60)
+        assert res.status == "completed" and res.text == text and len(res.token_ids) == 6, (model, job)
+    metrics = httpx.get(f"{base}/metrics").text
+    readers = {line.split('reader="')[1].split('"')[0] for line in metrics.splitlines()
+               if line.startswith("pagedq_serve_reader_waiters{")}
+    slots = {clients[m].redis.keyslot(clients[m].keys.jobs) for m in ("a", "b")}
+    assert readers == {f"slot {s}" for s in slots}, (readers, slots)
+    for c in clients.values():
+        c.close()
