@@ -241,3 +241,16 @@ def test_readers_per_slot_on_a_cluster(redis_cluster, cluster_queues, pq_tiny_mo
     assert readers == {f"slot {s}" for s in slots}, (readers, slots)
     for c in clients.values():
         c.close()
+
+
+def test_serve_load_bench_smoke(tmp_path):
+    """`pagedq bench -w serve-load` on a few streams: both paths complete everything and the JSON has each figure
+    (the measurement itself is the benchmark's, not the suite's)."""
+    from bench.serve_load import run_serve_load
+
+    data = run_serve_load("cpu", quick=True, streams=6, out_dir=str(tmp_path), echo=lambda s: None)
+    assert data["direct"]["completed"] == data["serve"]["completed"] == 6, data
+    assert data["success_rate"] == 1.0
+    assert 1 <= data["serve"]["redis_connections_max"] <= 18
+    assert all(data["serve"][k] > 0 for k in ("ttft_p99_s", "e2e_p99_s", "serve_cpu_s_per_1k_tokens"))
+    assert json.loads((tmp_path / "serve-load.json").read_text())["workload"] == "serve-load"
