@@ -1,5 +1,8 @@
 """POST /v1/chat/completions and /v1/completions: each request is one queue job, answered whole or streamed.
 
+A request waits on its job through the process's event reader (serve.events), holding no Redis connection; a
+process answers at most max_open_requests of them at once (429 with Retry-After past it).
+
 A retried POST with the same Idempotency-Key finds the job of the first one and follows it (with API keys, the
 same key's: each key's Idempotency-Keys are its own). A client that disconnects before the answer is whole
 cancels its job, unless it sent an Idempotency-Key: such a client declared that it will come back for the job,
