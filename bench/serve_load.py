@@ -105,9 +105,13 @@ async def _direct(url: str, n: int, tag: str) -> dict:
         start = time.perf_counter()
         outs = await asyncio.gather(*(one(client, i) for i in range(n)))
         elapsed = time.perf_counter() - start
-    good = [o for o in outs if o[0]]
+    good = [o for o in outs if o[0] == "ok"]
+    failures: dict[str, int] = {}
+    for o in outs:
+        if o[0] != "ok":
+            failures[o[0]] = failures.get(o[0], 0) + 1
     return {"requests": n, "completed": len(good), "refused_with_retry_after": 0, "failed": n - len(good),
-            "elapsed_s": elapsed, **_stats([o[1] for o in good if o[1] is not None], [o[2] for o in good])}
+            "failures": failures, "elapsed_s": elapsed, **_stats([o[1] for o in good if o[1] is not None], [o[2] for o in good])}
 
 
 async def _served(base: str, n: int, tag: str) -> dict:
