@@ -12,7 +12,8 @@ from bench import gpu_check
 from bench.workloads import NAMES
 from engine.config import DEFAULT_MODEL
 
-WORKLOADS = (*NAMES, "overhead", "parallel")  # the last two: runs of their own (bench.overhead, bench.parallel)
+# The last three are runs of their own (bench.overhead, bench.parallel, bench.serve_load).
+WORKLOADS = (*NAMES, "overhead", "parallel", "serve-load")
 SYSTEMS = ("pagedq", "pagedq-redis", "hf-generate", "hf-static", "hf-cb", "pagedq-serve", "vllm")
 DEFAULT_SYSTEMS = SYSTEMS[:-1]  # vLLM when asked for: it needs an environment of its own
 
@@ -95,6 +96,13 @@ def bench(model, device, dtype, workloads, systems, quick, num_requests, hf_sing
 
             workloads = [w for w in workloads if w != "parallel"]
             run_parallel(model, device, dtype, quick, out_dir=out_dir, seed=seed, echo=click.echo)
+            if not workloads:
+                return
+        if "serve-load" in workloads:  # its own micro model, workers and serve process: a run of its own
+            from bench.serve_load import run_serve_load
+
+            workloads = [w for w in workloads if w != "serve-load"]
+            run_serve_load(device or "cpu", quick, num_requests.get("serve-load"), out_dir=out_dir, echo=click.echo)
             if not workloads:
                 return
         run_bench(model, device, workloads, systems, quick, out_dir, dtype=dtype, num_requests=num_requests,

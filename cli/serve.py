@@ -36,7 +36,8 @@ def routing_options(f):
 
 
 # Options named otherwise than the ServeConfig field they set.
-_FIELDS = {"store_ttl": "store_ttl_s", "retry_after": "retry_after_s"}
+_FIELDS = {"store_ttl": "store_ttl_s", "retry_after": "retry_after_s", "redis_wait": "redis_wait_s",
+           "redis_grace": "redis_grace_s"}
 
 
 def _serve_config(options: dict[str, Any]) -> ServeConfig:
@@ -69,6 +70,17 @@ def _serve_config(options: dict[str, Any]) -> ServeConfig:
               help="Answer 429 when a queue holds this many jobs (queued + running)")
 @click.option("--retry-after", type=int, default=default_of(ServeConfig, "retry_after_s"),
               help="Seconds a 429 asks clients to wait")
+@click.option("--max-open-requests", type=click.IntRange(min=1),
+              default=default_of(ServeConfig, "max_open_requests"),
+              help="Completion requests each server process answers at once (429 with Retry-After past it)")
+@click.option("--redis-connections", type=click.IntRange(min=1),
+              default=default_of(ServeConfig, "redis_connections"),
+              help="Pooled Redis connections of each server process for short commands (waiting requests need "
+                   "none: one reader per process follows all their jobs)")
+@click.option("--redis-wait", type=float, default=default_of(ServeConfig, "redis_wait_s"),
+              help="Seconds a command waits for a free pooled connection before its request gets 429")
+@click.option("--redis-grace", type=float, default=default_of(ServeConfig, "redis_grace_s"),
+              help="Seconds waiting requests wait for an unreachable Redis to come back before they get 503")
 @click.option("--workers", type=int, default=1, help="HTTP server processes")
 @click.option("--log-level", envvar="PAGEDQ_LOG_LEVEL", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
 def serve(host: str, port: int, api_key_file: str | None, workers: int, log_level: str, **options: Any) -> None:

@@ -250,21 +250,24 @@ class AsyncRedisCluster(acluster.RedisCluster):
         return await super().execute_command(*args, **kwargs)
 
 
-def _make_async(url: str, is_cluster: bool, kwargs: dict[str, Any]) -> AsyncClient:
+def _make_async(url: str, is_cluster: bool, kwargs: dict[str, Any],
+                cluster_class: type[AsyncRedisCluster] = AsyncRedisCluster) -> AsyncClient:
     if not is_cluster:
         if sentinel.is_sentinel_url(url):
             return sentinel.connect_async(url, **kwargs)
         return aredis.Redis.from_url(url, **kwargs)
     # No I/O here: the client learns the slot map on its first command.
-    return AsyncRedisCluster.from_url(url, **_cluster_kwargs(url, kwargs))
+    return cluster_class.from_url(url, **_cluster_kwargs(url, kwargs))
 
 
-def connect_async(url: str | None = None, *, cluster: bool | None = None, **kwargs: Any) -> AsyncClient:
+def connect_async(url: str | None = None, *, cluster: bool | None = None,
+                  cluster_class: type[AsyncRedisCluster] = AsyncRedisCluster, **kwargs: Any) -> AsyncClient:
     """An asyncio client for `url`, built without awaiting (so a sync constructor can call it): the cluster probe,
     when no override says, is one short blocking round trip on a sync connection. Code already inside a running
-    event loop pays that round trip once, at construction."""
+    event loop pays that round trip once, at construction. `cluster_class`: the client class on a cluster (a
+    subclass of AsyncRedisCluster)."""
     url, kwargs = _normalize(url, kwargs)
-    return _make_async(url, _decide(url, cluster, kwargs), kwargs)
+    return _make_async(url, _decide(url, cluster, kwargs), kwargs, cluster_class)
 
 
 _CLUSTER_TYPES = (scluster.RedisCluster, acluster.RedisCluster, acluster.ClusterPipeline)

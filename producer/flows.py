@@ -143,7 +143,7 @@ class Deadline:
         return self.end is not None and time.monotonic() >= self.end
 
 
-def _later(entry_id: str, than: str) -> bool:
+def later(entry_id: str, than: str) -> bool:
     """Whether stream entry id `entry_id` comes after `than` ("<ms>-<seq>", or "<ms>")."""
     def key(x: str) -> tuple[int, int]:
         ms, _, seq = x.partition("-")
@@ -226,20 +226,29 @@ def _choice_only(flow: Flow, choice: int) -> Flow:
         reply = None if other else (yield op)
 
 
-def _stream(keys: Keys, job_id: str, timeout: float | None, after: str, chunk_ms: int) -> Flow:
+def stream_start(keys: Keys, job_id: str, after: str = "0-0") -> Flow:
+    """Where a reader of the job's events starts: the entry id after which to follow its event stream, a terminal
+    event rebuilt from its stored result (its events expired first, or it never streamed), or None: nothing
+    comes after `after` (a reader that reconnects after the end). JobNotFound for no such job."""
     if not (yield Cmd("exists", (keys.events(job_id),))):
-        # Its events expired before its result (or it never streamed): the stored result is its end.
         raw = yield Cmd("get", (keys.result(job_id),))
         if raw:
-            yield Emit(result_event(raw))
-            return
+            return result_event(raw)
         if not (yield Cmd("exists", (keys.job(job_id),))):
             raise not_found(job_id)
     elif after != "0-0":
         tail = yield Cmd("xrevrange", (keys.events(job_id),), {"count": 1})
-        if tail and parse_event(*tail[0]).terminal and not _later(tail[0][0], after):
-            return  # a reader that reconnects after the end (an SSE Last-Event-ID): nothing more will come
-    yield from _follow(keys, job_id, after, Deadline(timeout, chunk_ms), f"did not finish within {timeout} s")
+        if tail and parse_event(*tail[0]).terminal and not later(tail[0][0], after):
+            return None
+    return after
+
+
+def _stream(keys: Keys, job_id: str, timeout: float | None, after: str, chunk_ms: int) -> Flow:
+    start = yield from stream_start(keys, job_id, after)
+    if isinstance(start, StreamEvent):
+        yield Emit(start)
+    elif start is not None:
+        yield from _follow(keys, job_id, start, Deadline(timeout, chunk_ms), f"did not finish within {timeout} s")
 
 
 # ---- drivers ------------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from serve import auth, progress, routes
 from serve.config import ServeConfig
 from serve.errors import APIError, bad_request
 from serve.metrics import CountRequests, ServeMetrics
-from serve.queues import Queues
+from serve.queues import Queues, redis_refusal
 from serve.tenants import Tenants
 
 log = logging.getLogger("pagedq.serve")
@@ -44,7 +44,7 @@ def create_app(config: ServeConfig | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        queues = state["queues"] = Queues(config)
+        queues = state["queues"] = Queues(config, metrics)
         tenants.redis = queues.redis
         if tenants.enabled:
             log.info("API keys: %s", tenants.describe())
@@ -70,7 +70,7 @@ def create_app(config: ServeConfig | None = None) -> FastAPI:
         await tenants.admit(auth.key_of(request))
 
     app = FastAPI(title="pagedq", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    _answer_errors_as_openai(app)
+    _answer_errors_as_openai(app, config, metrics)
     if not tenants.enabled:
         # The dashboard submits jobs without a bearer token (a browser form): only where the API has no keys
         # either. With keys, run `pagedq dashboard` on an operators' port instead.
@@ -97,7 +97,7 @@ def _on_sighup(reload) -> bool:
     return True
 
 
-def _answer_errors_as_openai(app: FastAPI) -> None:
+def _answer_errors_as_openai(app: FastAPI, config: ServeConfig, metrics: ServeMetrics) -> None:
     """Every error in OpenAI's shape (serve.errors), so that the SDKs raise their usual exceptions."""
 
     @app.exception_handler(APIError)
@@ -116,9 +116,10 @@ def _answer_errors_as_openai(app: FastAPI) -> None:
 
     @app.exception_handler(redis_lib.RedisError)
     async def redis_down(request: Request, e: redis_lib.RedisError) -> JSONResponse:
-        log.warning("redis error: %s", e)
-        return JSONResponse(APIError(503, f"the queue's Redis is unavailable: {type(e).__name__}", "server_error",
-                                     code="redis_unavailable").body(), 503)
+        err = redis_refusal(e, config, metrics)
+        if err.status == 503:
+            log.warning("redis error: %s", e)
+        return JSONResponse(err.body(), err.status, headers=err.headers)
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, e: Exception) -> JSONResponse:

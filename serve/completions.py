@@ -1,5 +1,8 @@
 """POST /v1/chat/completions and /v1/completions: each request is one queue job, answered whole or streamed.
 
+A request waits on its job through the process's event reader (serve.events), holding no Redis connection; a
+process answers at most max_open_requests of them at once (429 with Retry-After past it).
+
 A retried POST with the same Idempotency-Key finds the job of the first one and follows it (with API keys, the
 same key's: each key's Idempotency-Keys are its own). A client that disconnects before the answer is whole
 cancels its job, unless it sent an Idempotency-Key: such a client declared that it will come back for the job,
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import redis as redis_lib
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -20,8 +24,9 @@ from serve import responses, tenancy
 from serve.api_keys import ApiKey
 from serve.auth import key_of
 from serve.disconnect import EventStream, unless_gone
-from serve.errors import APIError, bad_request, from_result
-from serve.queues import Queues
+from serve.errors import bad_request, from_result
+from serve.events import Subscription
+from serve.queues import Queues, redis_refusal
 from serve.tenancy import Ticket
 from serve.tenants import Tenants
 from serve.translate import Kind, Parsed, parse
@@ -41,37 +46,55 @@ async def handle(kind: Kind, request: Request, queues: Queues, tenants: Tenants)
     idem = request.headers.get(IDEMPOTENCY_HEADER)
     p = parse(kind, body, tenancy.job_id(key, idem), queues.config.default_max_tokens)
     client = queues.for_model(p.model)
-    ticket = await _submit(client, queues, tenants, key, p, idem is not None)
+    queues.admit()
+    sub: Subscription | None = None
+    handed_off = False
+    try:
+        ticket, fresh = await _submit(client, queues, tenants, key, p, idem is not None)
+        sub = await queues.events.subscribe(client.keys, p.request.id, fresh)
 
-    async def cancel() -> None:
-        if idem is None:
-            await client.cancel(p.request.id)
+        async def cancel() -> None:
+            if idem is None:
+                await client.cancel(p.request.id)
 
-    async def settle(res: JobResult) -> None:
-        await tenants.settle(ticket, res)
+        async def settle(res: JobResult) -> None:
+            await tenants.settle(ticket, res)
 
-    if p.stream:
-        return await _stream(request, client, p, cancel, settle)
-    gone, res = await unless_gone(request.receive, client.result(p.request.id))
-    if gone:
-        await cancel()
-        return Response(status_code=CLIENT_CLOSED)
-    await settle(res)
-    if res.status != "completed":
-        raise from_result(res)
-    return JSONResponse(responses.completion(p, res))
+        if p.stream:
+            response = await _stream(request, queues, sub, p, cancel, settle)
+            # An EventStream is the subscription's owner now: it closes it and releases the request at its end.
+            handed_off = isinstance(response, EventStream)
+            return response
+        gone, res = await unless_gone(request.receive, sub.result())
+        if gone:
+            await cancel()
+            return Response(status_code=CLIENT_CLOSED)
+        await settle(res)
+        if res.status != "completed":
+            raise from_result(res)
+        return JSONResponse(responses.completion(p, res))
+    finally:
+        if not handed_off:
+            _end(queues, sub)
+
+
+def _end(queues: Queues, sub: Subscription | None) -> None:
+    if sub is not None:
+        sub.close()
+    queues.release()
 
 
 async def _submit(client: AsyncClient, queues: Queues, tenants: Tenants, key: ApiKey | None, p: Parsed,
-                  keyed: bool) -> Ticket | None:
+                  keyed: bool) -> tuple[Ticket | None, bool]:
     """Submit the request's job, or find the job of the request it retries (keyed: it has an Idempotency-Key).
-    With API keys: the key's rate limits admit it first, then its cap on jobs holds it; returns what settling
-    the job will need (None: nothing to settle here, it retried another request's job)."""
+    With API keys: the key's rate limits admit it first, then its cap on jobs holds it. Returns what settling
+    the job will need (None: nothing to settle here, it retried another request's job), and whether this request
+    queued the job just now."""
     if keyed:
         try:
             await client.status(p.request.id)
             await tenants.admit(key)
-            return None  # a retry: the job exists, whatever the queue's depth now
+            return None, False  # a retry: the job exists, whatever the queue's depth now
         except JobNotFound:
             pass
     await queues.check_depth(client)
@@ -82,47 +105,53 @@ async def _submit(client: AsyncClient, queues: Queues, tenants: Tenants, key: Ap
     try:
         if key is None:
             await client.submit(p.request)
-            return None
+            return None, True
         charged = tenancy.estimate(p.request)
         await tenants.admit(key, charged)
-        return await tenants.submit(client.keys, p.request, key, charged)
+        return await tenants.submit(client.keys, p.request, key, charged), True
     except DuplicateJobError:
         if not keyed:  # a random id that exists: not a retry, so not this request's job
             raise
-        return None
+        return None, False
 
 
-async def _stream(request: Request, client: AsyncClient, p: Parsed, cancel: Callable[[], Awaitable[None]],
-                  settle: Callable[[JobResult], Awaitable[None]]) -> Response:
-    events = client.stream(p.request.id).__aiter__()
+async def _stream(request: Request, queues: Queues, sub: Subscription, p: Parsed,
+                  cancel: Callable[[], Awaitable[None]], settle: Callable[[JobResult], Awaitable[None]]) -> Response:
     # The first event comes before the response starts: a job that fails at once (an unknown model, a prompt
     # too long) answers with its HTTP error instead of a stream that holds only an error.
-    gone, first = await unless_gone(request.receive, anext(events, None))
+    gone, first = await unless_gone(request.receive, sub.next())
     if gone:
         await cancel()
         return Response(status_code=CLIENT_CLOSED)
-    if first is None:
-        raise APIError(500, f"job {p.request.id} has no events", "server_error")
     if first.terminal and first.type != "done":
         await settle(first.result)
         raise from_result(first.result)
-    return EventStream(_chunks(p, first, events, settle), cancel)
+    return EventStream(_chunks(queues, p, first, sub, settle), cancel, on_close=lambda: _end(queues, sub))
 
 
-async def _chunks(p: Parsed, first: StreamEvent, events: AsyncIterator[StreamEvent],
+async def _chunks(queues: Queues, p: Parsed, first: StreamEvent, sub: Subscription,
                   settle: Callable[[JobResult], Awaitable[None]]) -> AsyncIterator[bytes]:
     out = responses.Chunks(p)
     yield out.first()
-    ev: StreamEvent | None = first
-    while ev is not None:
-        if ev.type == "token":
-            yield out.text(ev.text, ev.logprobs, ev.index)
-            ev = await anext(events, None)
-            continue
-        await settle(ev.result)  # before the last bytes: a client that leaves on [DONE] stops this generator
-        if ev.type == "done":
-            yield out.last(ev.result)
-        else:  # failed, expired or cancelled mid-way: the SDKs raise on a chunk that holds an error
-            yield responses.sse(from_result(ev.result).body())
+    ev = first
+    while True:
+        # Every event that came already goes out in one write: the terminal one, if any, is the last.
+        events = [ev, *sub.ready()]
+        text = b"".join(out.text(e.text, e.logprobs, e.index) for e in events if e.type == "token")
+        if text:
+            yield text
+        end = events[-1]
+        if end.terminal:
+            await settle(end.result)  # before the last bytes: a client that leaves on [DONE] stops this generator
+            if end.type == "done":
+                yield out.last(end.result)
+            else:  # failed, expired or cancelled mid-way: the SDKs raise on a chunk that holds an error
+                yield responses.sse(from_result(end.result).body())
+                yield responses.DONE
+            return
+        try:
+            ev = await sub.next()
+        except redis_lib.RedisError as e:  # Redis went away mid-stream: say so, as the SDKs read errors
+            yield responses.sse(redis_refusal(e, queues.config, queues.metrics).body())
             yield responses.DONE
-        return
+            return

@@ -29,6 +29,12 @@ class ServeConfig(BaseModel):
     log_format: str | None = None
     max_queue_depth: int | None = None  # queued + running jobs at which new requests get 429
     retry_after_s: int = 1
+    # Load: completion requests one process answers at once (past it: 429 with Retry-After). Waiting costs no
+    # connection (serve.events), so this bounds memory and the CPU of streaming, not Redis.
+    max_open_requests: int = 4096
+    redis_connections: int = 16  # the process's pool for short commands (submits, reads); requests share it
+    redis_wait_s: float = 10.0  # how long a command waits for a free pooled connection (past it: 429, busy)
+    redis_grace_s: float = 5.0  # how long waiting requests wait for Redis to come back before their 503
     default_max_tokens: int | None = None  # None: JobRequest's default
     max_file_bytes: int = 100 * 2**20
     store_ttl_s: int = STORE_TTL_S

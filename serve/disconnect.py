@@ -51,15 +51,25 @@ async def unless_gone(receive: Receive, coro: Awaitable[T]) -> tuple[bool, T | N
 
 
 class EventStream(StreamingResponse):
-    """Server-sent events; `on_disconnect` runs when the client leaves before the stream's end."""
+    """Server-sent events; `on_disconnect` runs when the client leaves before the stream's end, `on_close` once
+    the response is over, however it ended."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: Any, on_disconnect: Callable[[], Awaitable[None]], **kw: Any) -> None:
+    def __init__(self, content: Any, on_disconnect: Callable[[], Awaitable[None]],
+                 on_close: Callable[[], None] | None = None, **kw: Any) -> None:
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, **kw)
         self.on_disconnect = on_disconnect
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self._answer(send, receive)
+        finally:
+            if self.on_close is not None:
+                self.on_close()
+
+    async def _answer(self, send: Send, receive: Receive) -> None:
         work = asyncio.ensure_future(self.stream_response(send))
         left = await _first(work, receive)
         if not left and isinstance(work.exception(), OSError):

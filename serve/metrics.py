@@ -22,6 +22,20 @@ class ServeMetrics:
                                     ["route"], registry=reg,
                                     buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300))
         self.in_flight = pc.Gauge("pagedq_serve_in_flight", "Requests being answered", registry=reg)
+        self.open_requests = pc.Gauge("pagedq_serve_open_requests",
+                                      "Completion requests admitted and not yet answered (whole or streamed)",
+                                      registry=reg)
+        self.refused = pc.Counter("pagedq_serve_refused",
+                                  "Completion requests refused before their job was queued, by reason: "
+                                  "open_requests, queue_full, redis_busy (429), redis_unavailable (503)",
+                                  ["reason"], registry=reg)
+        self.reader_waiters = pc.Gauge("pagedq_serve_reader_waiters",
+                                       "Requests waiting on each event reader (serve.events)", ["reader"],
+                                       registry=reg)
+        self.reader_round = pc.Histogram("pagedq_serve_reader_round_seconds",
+                                         "One XREAD round of each event reader: until an event comes, a new "
+                                         "request wakes it, or its block ends", ["reader"], registry=reg,
+                                         buckets=(.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5))
         self.batches = pc.Counter("pagedq_serve_batches_created", "Batches created", registry=reg)
         self.key_requests = pc.Counter("pagedq_serve_key_requests", "HTTP requests of each API key, by status",
                                        ["key", "status"], registry=reg)

@@ -1,0 +1,280 @@
+"""The serve-load workload (issue 30): many concurrent streams through one `pagedq serve` process, against the same
+jobs followed straight from Redis by the producer's AsyncClient (the direct path: a connection per waiting stream).
+
+Two workers serve a one-layer random model (bench.overhead.micro_model: the forward is nearly free, so what is
+measured is the queue and the front, not the model). Each stream asks for TOKENS tokens of a short prompt. Every
+request must end with its whole text, or with 429 and Retry-After (a refusal counts against the success rate only
+without Retry-After). Reported: success rate; TTFT and end-to-end p50/p99 on both paths and their ratio (target:
+serve's p99 within 1.2x of the direct path's); the most Redis connections the serve process held (CLIENT LIST, by
+the names it gives them) beside the direct path's; serve's CPU seconds per 1,000 tokens streamed (/proc).
+
+The load generator runs in this process, on the same cores as serve, the workers and Redis: on a small machine its
+own work weighs on both paths' latencies alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+STREAMS = 2000
+QUICK_STREAMS = 64
+TOKENS = 16
+WORKERS = 2
+SERVE_CONNECTIONS = 16  # --redis-connections of the serve process
+TARGET_P99_RATIO = 1.2
+ROOT = Path(__file__).resolve().parent.parent
+QUEUE = "serve-load"
+MODEL = "micro"  # the name the workers serve the micro model under
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+def _stats(ttft: list[float], e2e: list[float]) -> dict:
+    return {"ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99), "e2e_p50_s": _pct(e2e, 50),
+            "e2e_p99_s": _pct(e2e, 99)}
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class _Connections(threading.Thread):
+    """The most connections Redis held at once while the load ran: all of them, and those named `names`."""
+
+    def __init__(self, url: str, names: tuple[str, ...] = ()) -> None:
+        import redis
+
+        super().__init__(daemon=True)
+        self.r = redis.Redis.from_url(url, decode_responses=True)
+        self.names = names
+        self.done = threading.Event()
+        self.total = self.named = 0
+
+    def run(self) -> None:
+        while not self.done.wait(0.25):
+            clients = self.r.client_list()
+            self.total = max(self.total, len(clients))
+            self.named = max(self.named, sum(c.get("name") in self.names for c in clients))
+
+    def __enter__(self) -> _Connections:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        self.join()
+        self.r.close()
+
+
+def _prompt(tag: str, i: int) -> str:
+    return f"{tag} stream {i}: a few words to start from"
+
+
+async def _direct(url: str, n: int, tag: str) -> dict:
+    """n streams followed straight from Redis: submit, then the job's event stream, each on its own connection."""
+    import redis.asyncio as aredis
+
+    from producer import AsyncClient
+
+    async def one(client: AsyncClient, i: int) -> tuple[str, float | None, float]:
+        sent = time.perf_counter()
+        first, tokens, ok = None, 0, False
+        try:
+            job = await client.submit(model=MODEL, prompt=_prompt(tag, i), max_tokens=TOKENS, temperature=0,
+                                      ignore_eos=True)
+            async for ev in job.stream():
+                if ev.type == "token":
+                    first = first or time.perf_counter()
+                    tokens += len(ev.token_ids)
+                elif ev.terminal:
+                    ok = ev.type == "done" and tokens == TOKENS
+        except Exception as e:  # counted, not fatal: the direct path's own failures are part of its figures
+            return f"{type(e).__name__}: {e}"[:120], None, 0.0
+        return ("ok" if ok else "short"), None if first is None else first - sent, time.perf_counter() - sent
+
+    # A connection per waiting stream: redis-py's default pool (100) would refuse the rest.
+    redis = aredis.Redis.from_url(url, decode_responses=True, max_connections=n + 16)
+    async with AsyncClient(queue=QUEUE, redis=redis) as client:
+        start = time.perf_counter()
+        outs = await asyncio.gather(*(one(client, i) for i in range(n)))
+        elapsed = time.perf_counter() - start
+    good = [o for o in outs if o[0] == "ok"]
+    failures: dict[str, int] = {}
+    for o in outs:
+        if o[0] != "ok":
+            failures[o[0]] = failures.get(o[0], 0) + 1
+    return {"requests": n, "completed": len(good), "refused_with_retry_after": 0, "failed": n - len(good),
+            "failures": failures, "elapsed_s": elapsed, **_stats([o[1] for o in good if o[1] is not None], [o[2] for o in good])}
+
+
+async def _served(base: str, n: int, tag: str) -> dict:
+    """n streams through the serve process: POST /v1/completions with stream=true, read to [DONE]."""
+    import httpx
+
+    async def one(http: httpx.AsyncClient, i: int) -> tuple[str, float | None, float]:
+        body = {"model": MODEL, "prompt": _prompt(tag, i), "max_tokens": TOKENS, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        sent = time.perf_counter()
+        try:
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    return ("refused" if r.status_code == 429 and r.headers.get("retry-after") else
+                            f"status {r.status_code}"), None, 0.0
+                first, usage, done = None, None, False
+                async for line in r.aiter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: "):
+                        chunk = json.loads(line[len("data: "):])
+                        if chunk.get("choices") and first is None:
+                            first = time.perf_counter()
+                        usage = chunk.get("usage") or usage
+                        if "error" in chunk:
+                            return f"error {chunk['error'].get('code')}", None, 0.0
+        except httpx.HTTPError as e:
+            return f"{type(e).__name__}", None, 0.0
+        ok = done and usage is not None and usage["completion_tokens"] == TOKENS
+        return ("ok" if ok else "short"), None if first is None else first - sent, time.perf_counter() - sent
+
+    limits = httpx.Limits(max_connections=n + 16, max_keepalive_connections=n + 16)
+    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=httpx.Timeout(600, pool=600)) as http:
+        start = time.perf_counter()
+        outs = await asyncio.gather(*(one(http, i) for i in range(n)))
+        elapsed = time.perf_counter() - start
+    good = [o for o in outs if o[0] == "ok"]
+    refused = sum(o[0] == "refused" for o in outs)
+    failures: dict[str, int] = {}
+    for o in outs:
+        if o[0] not in ("ok", "refused"):
+            failures[o[0]] = failures.get(o[0], 0) + 1
+    return {"requests": n, "completed": len(good), "refused_with_retry_after": refused,
+            "failed": n - len(good) - refused, "failures": failures, "elapsed_s": elapsed,
+            **_stats([o[1] for o in good if o[1] is not None], [o[2] for o in good])}
+
+
+def _start(cmd: list[str], log_path: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    with open(log_path, "w") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+
+
+def _wait_health(base: str, proc: subprocess.Popen, log_path: Path, timeout: float = 60) -> None:
+    import httpx
+
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > end:
+            raise RuntimeError(f"pagedq serve did not start: {log_path.read_text()[-1500:]}")
+        time.sleep(0.1)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if not a or not b else b / a
+
+
+def run_serve_load(device: str, quick: bool, streams: int | None = None, out_dir: str = "bench/results",
+                   echo: Callable[[str], None] = print) -> dict:
+    """Run the workload; write serve-load.json to `out_dir` and return its figures."""
+    from bench import report
+    from bench.overhead import micro_model
+    from producer import Client
+    from serve.events import READER_NAME
+    from serve.queues import CLIENT_NAME
+    from worker.redis_server import RedisServer, free_port, stop_process
+
+    n = streams or (QUICK_STREAMS if quick else STREAMS)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model = micro_model()
+    procs: list[subprocess.Popen] = []
+    with RedisServer() as srv:
+        try:
+            for w in range(WORKERS):
+                procs.append(_start([sys.executable, "-m", "cli", "worker", "--redis-url", srv.url, "--queue", QUEUE,
+                                     "--model", model, "--device", device, "--max-num-seqs", "512",
+                                     "--num-kv-blocks", "4096", "--max-model-len", "128", "--served-model-name", MODEL,
+                                     "--log-level", "WARNING"],
+                                    out / f"serve-load-worker-{w}.log"))
+            port = free_port()
+            base = f"http://127.0.0.1:{port}"
+            serve_log = out / "serve-load-serve.log"
+            serve = _start([sys.executable, "-m", "cli", "serve", "--redis-url", srv.url, "--queue", QUEUE,
+                            "--port", str(port), "--log-level", "WARNING", "--max-open-requests", str(max(n, 1)),
+                            "--redis-connections", str(SERVE_CONNECTIONS)], serve_log)
+            procs.append(serve)
+            _wait_health(base, serve, serve_log)
+            with Client(srv.url, queue=QUEUE) as c:  # both workers have loaded the model and stepped
+                jobs = c.submit_many([{"model": MODEL, "prompt": f"warm {i}", "max_tokens": 2} for i in range(8 * WORKERS)])
+                for j in jobs:
+                    j.result(timeout=600)
+            echo(f"serve-load: {n} concurrent streams of {TOKENS} tokens, {WORKERS} workers, one serve process")
+            asyncio.run(_direct(srv.url, min(n, 64), "warm"))
+            asyncio.run(_served(base, min(n, 64), "warm"))
+            with _Connections(srv.url) as direct_conns:
+                direct = asyncio.run(_direct(srv.url, n, "direct"))
+            direct["redis_connections_max"] = direct_conns.total
+            cpu0 = _cpu_seconds(serve.pid)
+            with _Connections(srv.url, (CLIENT_NAME, READER_NAME)) as serve_conns:
+                served = asyncio.run(_served(base, n, "serve"))
+            cpu = _cpu_seconds(serve.pid) - cpu0
+            served["redis_connections_max"] = serve_conns.named
+            served["serve_cpu_s"] = cpu
+            served["serve_cpu_s_per_1k_tokens"] = cpu / max(1, served["completed"] * TOKENS) * 1000
+        finally:
+            for p in procs:
+                stop_process(p, 15)
+    ratios = {k: _ratio(direct.get(k), served.get(k)) for k in ("ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s")}
+    success = (served["completed"] + served["refused_with_retry_after"]) / n
+    data = {"machine": report.machine(device), "workload": "serve-load", "model": "micro-llama-1layer (random)",
+            "streams": n, "tokens_per_stream": TOKENS, "workers": WORKERS, "serve_redis_connections": SERVE_CONNECTIONS,
+            "direct": direct, "serve": served, "serve_over_direct": ratios, "success_rate": success,
+            "targets": {"success_rate": 1.0, "p99_ratio": TARGET_P99_RATIO},
+            "met": {"success_rate": success == 1.0,
+                    "p99_ratio": all(r is not None and r <= TARGET_P99_RATIO
+                                     for k, r in ratios.items() if k.endswith("p99_s"))}}
+    path = out / "serve-load.json"
+    path.write_text(json.dumps(data, indent=2))
+    echo(table(data))
+    echo(f"wrote {path}")
+    return data
+
+
+def table(data: dict) -> str:
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x * 1000:.0f} ms"
+
+    d, s, r = data["direct"], data["serve"], data["serve_over_direct"]
+    rows = [("", "direct Redis", "pagedq serve", "serve / direct")]
+    for k, label in (("ttft_p50_s", "TTFT p50"), ("ttft_p99_s", "TTFT p99"), ("e2e_p50_s", "e2e p50"),
+                     ("e2e_p99_s", "e2e p99")):
+        rows.append((label, ms(d[k]), ms(s[k]), "-" if r[k] is None else f"{r[k]:.2f}x"))
+    rows.append(("completed", f"{d['completed']}/{d['requests']}", f"{s['completed']}/{s['requests']}", ""))
+    rows.append(("429 + Retry-After", "-", str(s["refused_with_retry_after"]), ""))
+    rows.append(("Redis connections (max)", f"{d['redis_connections_max']} (all)", str(s["redis_connections_max"]),
+                 ""))
+    rows.append(("serve CPU / 1k tokens", "-", f"{s['serve_cpu_s_per_1k_tokens']:.2f} s", ""))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    return "\n".join([f"serve-load on {data['machine']['cpu']} ({data['machine']['cpu_cores']} cores): "
+                      f"{data['streams']} streams x {data['tokens_per_stream']} tokens", *lines])
