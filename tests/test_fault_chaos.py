@@ -19,7 +19,7 @@ from producer.errors import DuplicateJobError
 
 pytestmark = pytest.mark.slow
 
-CHAOS_S = 32.0
+CHAOS_S = 24.0
 WORKERS = 3
 # A short lease so that a killed worker's jobs move on within seconds; attempts enough that a job delivered to
 # several workers in a row that all get killed still completes (it is never the job's fault here).
@@ -71,7 +71,7 @@ def test_chaos(queue, pq_tiny_model, start_worker, pq_reference, pq_check_stream
         end = time.monotonic() + CHAOS_S
         try:
             while time.monotonic() < end:
-                time.sleep(rng.uniform(3.0, 5.0))
+                time.sleep(rng.uniform(2.5, 4.0))
                 if not restarted and time.monotonic() > end - CHAOS_S / 2:
                     srv.restart(down_s=0.5)  # once, mid-run: SIGTERM (the AOF is synced), then the same port
                     restarted = True

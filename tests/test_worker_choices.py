@@ -104,7 +104,7 @@ def test_bad_continuation_settings_fail_with_a_reason(redis_url, queue, rds, pq_
 def test_sigkill_mid_generation_resumes_every_continuation(redis_url, queue, rds, pq_tiny_model, start_worker,
                                                           reference):
     c = Client(redis_url, queue=queue)
-    a = start_worker(queue, pq_tiny_model, *FLAGS)
+    a = start_worker(queue, pq_tiny_model, *FLAGS, "--lease-ms", "1500")  # its jobs move on soon after a kill
     wait_for(lambda: started(a), 120, "worker A")
     req = JobRequest(prompt="Four stories at once:", n=4, temperature=0.8, seed=11, max_tokens=120,
                      ignore_eos=True)
