@@ -300,6 +300,9 @@ class EventReaders:
         self.block_ms = block_ms
         self.cluster = is_cluster(redis)
         self._readers: dict[int | None, Reader] = {}
+        # The cluster client's slot map is one for all readers: relearning it from several at once shares its
+        # startup connection between them and fails ("Redis Cluster cannot be connected"), so one at a time.
+        self._slot_map = asyncio.Lock()
 
     def _reader(self, key: str) -> Reader:
         slot = self.redis.keyslot(key) if self.cluster else None
@@ -326,8 +329,9 @@ class EventReaders:
     def _connect_slot(self, slot: int) -> Connect:
         async def connect() -> AbstractConnection:
             # After an error the slot may have moved: learn the map again before connecting.
-            await self.redis.nodes_manager.initialize()
-            node = self.redis.nodes_manager.get_node_from_slot(slot)
+            async with self._slot_map:
+                await self.redis.nodes_manager.initialize()
+                node = self.redis.nodes_manager.get_node_from_slot(slot)
             conn = node.connection_class(**self._settings(node.connection_kwargs))
             await conn.connect()
             return conn
