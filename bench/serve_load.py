@@ -66,10 +66,15 @@ class _Connections(threading.Thread):
         self.total = self.named = 0
 
     def run(self) -> None:
-        while not self.done.wait(0.25):
-            clients = self.r.client_list()
-            self.total = max(self.total, len(clients))
-            self.named = max(self.named, sum(c.get("name") in self.names for c in clients))
+        while True:
+            self._sample()
+            if self.done.wait(0.25):
+                return
+
+    def _sample(self) -> None:
+        clients = self.r.client_list()
+        self.total = max(self.total, len(clients))
+        self.named = max(self.named, sum(c.get("name") in self.names for c in clients))
 
     def __enter__(self) -> _Connections:
         self.start()
@@ -78,6 +83,7 @@ class _Connections(threading.Thread):
     def __exit__(self, *exc: object) -> None:
         self.done.set()
         self.join()
+        self._sample()  # once more at the end: a short run may finish between two samples
         self.r.close()
 
 
