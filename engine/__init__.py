@@ -1,10 +1,11 @@
 """The inference engine: paged KV cache, continuous batching, sampling. Knows nothing of Redis."""
 
 from engine.config import EngineConfig
+from engine.constraints import Constraint
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
-__all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["Constraint", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str):

@@ -8,6 +8,8 @@ import gc
 import logging
 import random
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -18,6 +20,7 @@ from engine.beam_search import BeamSearch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import NO_TOKEN, Detokenizer
+from engine.grammars import Compiled, Grammars
 from engine.group import Group, child_seed
 from engine.group_steps import GroupSteps
 from engine.loader import resolve_model
@@ -59,6 +62,15 @@ class InFlight:
 
 
 @dataclass
+class Compiling:
+    """A request whose constraint is still compiling: it joins the scheduler (admit) once its matcher exists."""
+
+    seq: Sequence
+    future: Future
+    admit: Callable[[], None]
+
+
+@dataclass
 class Landed:
     """A step whose tokens are written in: what its outputs are built from."""
 
@@ -94,6 +106,10 @@ class LLMEngine:
         self.last_batch = SchedulerOutput()  # what the latest step ran: for a worker's batch-size metrics
         self.overlap = config.overlap_steps if config.overlap_steps is not None else self.runner.device.type == "cuda"
         self.in_flight: deque[InFlight] = deque()  # launched steps not yet landed, oldest first (at most two)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.compiling: dict[str, Compiling] = {}
+        self.constrained = False  # whether a request with a constraint ever came: else no step looks for matchers
+        self.refused: list[tuple[str, str]] = []  # (request id, why): constraints that failed to compile
         # The model, tokenizer and cache bookkeeping live as long as the engine: out of the collector's sight,
         # full collections no longer walk them every time requests come and go.
         gc.collect()
@@ -152,7 +168,7 @@ class LLMEngine:
                 f"prompt is {len(ids)} tokens, but this model runs at most {self.max_model_len} tokens in all "
                 f"(prompt + output): shorten the prompt"
             )
-        if request_id in self.scheduler.by_id:
+        if request_id in self.scheduler.by_id or request_id in self.compiling:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         choices = dict(resume or {})
         if resume_token_ids:
@@ -166,14 +182,14 @@ class LLMEngine:
         seq.detok = Detokenizer(self.tokenizer, ids, params.stop)
         if params.width == 1:
             self._resume(seq, *choices.get(0, ([], "", None))[:2])
-            self.scheduler.add(seq)
+            self._admit(seq, lambda: self.scheduler.add(seq))
             return
         group = seq.group = Group(request_id, params, [seq])
         if params.use_beam_search:
             group.beams = BeamSearch(params.width, len(ids), seq.max_len, seq.stop_ids, params.length_penalty,
                                      params.early_stopping)
         if not choices:
-            self.scheduler.add(seq)
+            self._admit(seq, lambda: self.scheduler.add(seq))
             return
         # Continuations streamed before (a crashed worker's): each goes on from its own tokens, none shared.
         members = [seq] + [seq.fork(i, child_seed(seq.seed, i)) for i in range(1, params.width)]
@@ -189,7 +205,59 @@ class LLMEngine:
             raise ValueError("resume: every continuation had ended: the request is already complete")
         group.unreported = len(group.seqs)
         group.forked = True
-        self.scheduler.add_group(group.seqs)
+        self._admit(seq, lambda: self.scheduler.add_group(group.seqs))
+
+    def _admit(self, seq: Sequence, admit: Callable[[], None]) -> None:
+        """Hand a new request to the scheduler (admit), once its constraint, if any, is compiled. A compile already
+        done (the constraint seen before) is taken now, and its error raised; a new one is waited for by step()."""
+        constraint = seq.params.constraint
+        if constraint is None:
+            admit()
+            return
+        self.constrained = True
+        future = self.grammars.compile(constraint)
+        if not future.done():
+            self.compiling[seq.request_id] = Compiling(seq, future, admit)
+            return
+        self._attach(seq, future.result())
+        admit()
+
+    @staticmethod
+    def _attach(seq: Sequence, compiled: Compiled) -> None:
+        """Give the request's sequences their matchers, advanced past any output they resume with. ValueError
+        (the grammar engine's message) where the constraint did not compile."""
+        if compiled.error:
+            raise ValueError(f"invalid {seq.params.constraint.kind} constraint: {compiled.error}")
+        members = seq.group.seqs if seq.group is not None and seq.group.forked else [seq]
+        for member in members:
+            member.matcher = compiled.new_matcher()
+            output = member.output_token_ids
+            if output and not member.matcher.consume_tokens(output):
+                raise ValueError(f"the output to resume from does not fit the constraint: "
+                                 f"{member.matcher.get_error()}")
+
+    def _admit_compiled(self) -> None:
+        """Requests whose constraint finished compiling join the scheduler, or are refused (self.refused). When
+        nothing else runs, wait a little for a compile rather than spin."""
+        if not self.scheduler.has_unfinished() and not self.in_flight:
+            wait([c.future for c in self.compiling.values()], timeout=0.05, return_when=FIRST_COMPLETED)
+        for request_id, pending in list(self.compiling.items()):
+            if not pending.future.done():
+                continue
+            del self.compiling[request_id]
+            try:
+                self._attach(pending.seq, pending.future.result())
+            except ValueError as e:
+                log.info("request %s refused: %s", request_id, e)
+                self.refused.append((request_id, str(e)))
+                continue
+            pending.admit()
+
+    def pop_refused(self) -> list[tuple[str, str]]:
+        """(request id, why) of the requests refused since the last call: their constraint did not compile. They
+        are no longer in the engine and make no outputs."""
+        refused, self.refused = self.refused, []
+        return refused
 
     def _check_resumed(self, index: int, tokens: list[int], prompt_len: int, params: SamplingParams, done: bool
                        ) -> None:
@@ -209,6 +277,8 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Drop a request now; its KV blocks are free when this returns. False if it was not in the engine."""
+        if self.compiling.pop(request_id, None) is not None:
+            return True
         seq = self.scheduler.by_id.get(request_id)
         if seq is None:
             return False
@@ -223,7 +293,7 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.in_flight) or self.scheduler.has_unfinished()
+        return bool(self.in_flight) or self.scheduler.has_unfinished() or bool(self.compiling)
 
     def num_admittable(self) -> int:
         return self.scheduler.num_admittable()
@@ -234,7 +304,7 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + len(self.compiling)
 
     @property
     def num_free_blocks(self) -> int:
@@ -285,6 +355,8 @@ class LLMEngine:
         or stop string was already scheduled into the next one: that row's token is dropped.
         """
         self.times.start()
+        if self.compiling:
+            self._admit_compiled()
         if not self.overlap:
             self._launch()
             return self._outputs(self._land())
@@ -331,8 +403,9 @@ class LLMEngine:
             add_position(len(ids))
             if len(ids) + 1 < seq.max_len and (seq.group is None or not seq.group.is_beam):
                 ids.append(PLACEHOLDER)  # a beam's next token is known only once its step's search lands
-        feeds_ahead = sampling.greedy_only or not any(p.needs_logprobs or p.uses_history or p.use_beam_search
-                                                      for p in sampling.params)
+        # A constrained row's next mask needs its token advanced through its matcher first.
+        feeds_ahead = sampling.allowed is None and (sampling.greedy_only or not any(
+            p.needs_logprobs or p.uses_history or p.use_beam_search for p in sampling.params))
         beams = [(samplers[rows[0]].group, rows, found) for (rows, _, _), found in zip(sampling.beams, candidates)]
         host, event = self.runner.to_host(tokens)
         self.in_flight.append(InFlight(samplers, positions, tokens, host, event, logprobs, feeds_ahead, beams))
@@ -369,13 +442,16 @@ class LLMEngine:
             else:
                 ids.append(token)
             reason = None
-            if token in seq.stop_ids and pos >= seq.min_len - 1:
+            stop_token = token in seq.stop_ids and pos >= seq.min_len - 1
+            if stop_token:
                 reason = "stop"
             elif pos >= seq.max_len - 1:
                 reason = "length"
+            if seq.matcher is not None:
+                reason = _advance(seq, token, reason)
             detok = seq.detok
             if not detok.lazy:  # stop strings: decoding now decides whether it ends
-                text, stopped = detok.add([] if reason == "stop" else [token], final=reason is not None)
+                text, stopped = detok.add([] if stop_token else [token], final=reason is not None)
                 texts[i] = text
                 if stopped:
                     reason = "stop"
@@ -408,7 +484,8 @@ class LLMEngine:
             detok = seq.detok
             if detok.lazy:  # no stop strings: the text can wait for whoever reads it
                 # EOS and stop tokens are kept in token_ids but their text is not shown.
-                at, text = detok.defer(NO_TOKEN if reason == "stop" else token, reason is not None), ""
+                hidden = reason == "stop" and token in seq.stop_ids  # not a grammar's last token: that one shows
+                at, text = detok.defer(NO_TOKEN if hidden else token, reason is not None), ""
             else:
                 at, text = 0, landed.texts[i]
             out = RequestOutput(seq, token, reason, pos + 1, text, detok.text, detok.sent, logprobs and logprobs[i],
@@ -432,6 +509,17 @@ class LLMEngine:
             out.choices = [group.finals[i] for i in sorted(group.finals)]
 
     def _sampling(self, samplers: list[Sequence]) -> SamplingBatch:
+        batch = self._sampling_settings(samplers)
+        if self.constrained:
+            self.times.lap("schedule")
+            rows = [r for r, s in enumerate(samplers) if s.matcher is not None]
+            if rows:
+                bits = self.grammars.fill([samplers[r].matcher for r in rows])
+                batch.allowed = (np.array(rows, dtype=np.int64), bits)
+            self.times.lap("mask")
+        return batch
+
+    def _sampling_settings(self, samplers: list[Sequence]) -> SamplingBatch:
         if all(map(_PLAIN_GREEDY, samplers)):  # the common batch: one argmax, no per-row settings to gather
             return SamplingBatch.greedy()
         params = [s.params for s in samplers]
@@ -497,7 +585,23 @@ class LLMEngine:
             raise
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
+            refused = self.pop_refused()
+            if refused:
+                for rid in ids:
+                    self.abort(rid)
+                raise ValueError(refused[0][1])
             for out in self.step():
                 if out.request_finished:
                     final[out.request_id] = out
         return [final[r] for r in ids]
+
+
+def _advance(seq: Sequence, token: int, reason: str | None) -> str | None:
+    """Move seq's matcher past its new token -> its finish reason: "stop" once the grammar is complete."""
+    matcher = seq.matcher
+    if not matcher.consume_token(token):
+        # The mask allowed only tokens the matcher takes, so this is the grammar engine's own failure: end here,
+        # loudly, rather than go on unconstrained.
+        log.error("request %s: its constraint refused token %d: %s", seq.request_id, token, matcher.get_error())
+        return reason or "stop"
+    return reason or ("stop" if matcher.is_stopped() else None)

@@ -33,6 +33,9 @@ class SamplingBatch:
     # Beam groups among the rows: (their rows, best first, each beam's score, candidates to keep): their K best
     # continuations are ranked on the device (engine.beam_search takes it from there).
     beams: list[tuple[list[int], list[float], int]] = field(default_factory=list)
+    # Rows under a constraint (engine.grammars) and their allowed tokens as a bitmask [rows, words]: every other
+    # token's logit is -inf before anything else looks at the logits.
+    allowed: tuple[np.ndarray, np.ndarray] | None = None
 
     @classmethod
     def greedy(cls) -> SamplingBatch:
@@ -77,6 +80,17 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch, stage: Staging) 
     return logits
 
 
+def apply_allowed(logits: torch.Tensor, rows: np.ndarray, bits: np.ndarray, stage: Staging) -> None:
+    """logits[rows[i], t] = -inf (in place) wherever bit t of bits[i] is clear. Only the constrained rows are
+    read and written; the bits reach the device packed (1/32 of the logits) and are unpacked there."""
+    vocab = logits.shape[-1]
+    at = stage.to_device("allowed_rows", rows)
+    packed = stage.to_device("allowed_bits", bits)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((packed[:, :, None] >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()
+    logits.index_copy_(0, at, logits.index_select(0, at).masked_fill_(~allowed, float("-inf")))
+
+
 def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch, stage: Staging) -> torch.Tensor:
     banned = [(i, t) for i in range(len(batch.params)) for t in _banned(batch, i)]
     if banned:
@@ -91,9 +105,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, argmax: Argmax = torch_op
     beam group's K best candidates as (accumulated logprobs, beam * V + token), best first). Everything but a plain
     argmax runs in float32. `argmax`: each row's first maximum (a backend's kernel). `stage`: how per-row settings
     reach the device (the runner's, whose copies never make the host wait)."""
+    stage = stage or Staging(logits.device)
+    if batch.allowed is not None:
+        apply_allowed(logits, *batch.allowed, stage)
     if batch.greedy_only:  # float32 holds every bfloat16 / float16 value exactly: the same first maximum, no copy
         return argmax(logits), torch.empty(0), []
-    stage = stage or Staging(logits.device)
     logits = logits.float()
     want_logprobs = any(p.needs_logprobs for p in batch.params)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else torch.empty(0)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.constraints import Constraint
+
 
 @dataclass
 class SamplingParams:
@@ -28,6 +30,9 @@ class SamplingParams:
     beam_width: int | None = None  # beams; None: best_of, else n
     length_penalty: float = 1.0  # beam search: a finished beam's score is its logprob / length ** length_penalty
     early_stopping: bool | str = False  # beam search: True, False or "never", as in transformers' generate
+    # What the output must parse as (engine.constraints): every token is picked from those the grammar allows,
+    # and the request ends ("stop") where the grammar does.
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,6 +76,8 @@ class SamplingParams:
             bad(f"beam_width must be an integer >= n ({self.n}), got {self.beam_width!r}")
         if self.early_stopping not in (True, False, "never"):
             bad(f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")
+        if self.constraint is not None and self.use_beam_search:
+            bad("beam search does not take a constraint (json_schema, regex, choice, grammar): sample instead")
         if not self.use_beam_search:
             if self.beam_width is not None:
                 bad("beam_width is for beam search: set use_beam_search")

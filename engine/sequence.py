@@ -58,6 +58,7 @@ class Sequence:
         self.group = None  # the engine.group.Group it is a continuation or beam of, if any
         self.index = 0  # its continuation's index in the group
         self.cumulative_logprob = 0.0  # of its output tokens, where the group needs it (best_of, beams)
+        self.matcher = None  # its constraint's llguidance matcher, advanced by each token that lands
 
     def fork(self, index: int, seed: int) -> Sequence:
         """Another continuation from where this one is: the same tokens and progress, no blocks yet (the block
@@ -66,6 +67,8 @@ class Sequence:
         child.token_ids = list(self.token_ids)
         child.block_table, child.table_row, child.block_hashes = [], -1, list(self.block_hashes)
         child.index, child.seed = index, seed
+        if self.matcher is not None:
+            child.matcher = self.matcher.deep_copy()
         return child
 
     @property

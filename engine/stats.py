@@ -11,7 +11,7 @@ import time
 # update: a landed step's tokens written in and the requests it finished ended.
 # outputs: the landed step's RequestOutputs built.
 # publish: a worker's handing of the outputs to its publisher process (the engine itself never charges it).
-PHASES = ("schedule", "prepare", "forward", "sample", "update", "outputs", "publish")
+PHASES = ("schedule", "mask", "prepare", "forward", "sample", "update", "outputs", "publish")
 
 
 class StepTimes:
