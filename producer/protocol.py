@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -58,6 +58,14 @@ class JobRequest(BaseModel):
     beam_width: int | None = Field(default=None, ge=1)  # None: best_of, else n
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
+    # What the output must parse as, at most one of: OpenAI's response_format ({"type": "text" | "json_object" |
+    # "json_schema", "json_schema": {"name", "schema", "strict"}}) or vLLM's guided_* fields. The worker masks
+    # every token the constraint does not allow; the output ends where the constraint is complete.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | bool | None = None  # a JSON schema
+    guided_regex: str | None = Field(default=None, min_length=1)
+    guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = Field(default=None, min_length=1)  # Lark, or GBNF / EBNF as llama.cpp writes it
     priority: int = 0  # lower runs first
     timeout_s: float | None = Field(default=None, gt=0)  # from enqueue; past it the job expires
     metadata: dict[str, Any] = Field(default_factory=dict)  # opaque to the worker; echoed in the result
@@ -112,6 +120,66 @@ class JobRequest(BaseModel):
         """Whether the job has several continuations: its token events say which (index), its result lists them."""
         return self.width > 1
 
+    @field_validator("guided_json", mode="before")
+    @classmethod
+    def _schema_text(cls, v: Any) -> Any:
+        # vLLM takes the schema as an object or as its JSON text.
+        if isinstance(v, str):
+            try:
+                return json.loads(v)
+            except ValueError as e:
+                raise ValueError(f"guided_json is not valid JSON: {e}") from None
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _check_response_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return v
+        kind = v.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
+        extra = set(v) - ({"type", "json_schema"} if kind == "json_schema" else {"type"})
+        if extra:
+            raise ValueError(f"response_format of type {kind} does not take {', '.join(sorted(extra))}")
+        if kind != "json_schema":
+            return v
+        spec = v.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise ValueError("response_format.json_schema must be an object with a schema (and a name)")
+        if not isinstance(spec["schema"], (dict, bool)):
+            raise ValueError("response_format.json_schema.schema must be a JSON Schema object")
+        unknown = set(spec) - {"name", "schema", "strict", "description"}
+        if unknown:
+            raise ValueError(f"response_format.json_schema does not take {', '.join(sorted(unknown))}")
+        return v
+
+    @property
+    def constraint(self) -> tuple[str, Any] | None:
+        """(kind, spec) of what the output must parse as (the engine's Constraint), or None."""
+        fmt = self.response_format or {}
+        if fmt.get("type") == "json_schema":
+            return "json_schema", fmt["json_schema"]["schema"]
+        if fmt.get("type") == "json_object":
+            return "json_object", None
+        for kind, spec in (("json_schema", self.guided_json), ("regex", self.guided_regex),
+                           ("choice", self.guided_choice), ("grammar", self.guided_grammar)):
+            if spec is not None:
+                return kind, spec
+        return None
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> JobRequest:
+        given = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                 if getattr(self, name) is not None]
+        if (self.response_format or {}).get("type", "text") != "text":
+            given.insert(0, "response_format")
+        if len(given) > 1:
+            raise ValueError(f"give at most one constraint; got {', '.join(given)}")
+        if given and self.use_beam_search:
+            raise ValueError(f"beam search does not take a constraint ({given[0]}): sample instead")
+        return self
+
     @model_validator(mode="after")
     def _prompt_xor_messages(self) -> JobRequest:
         if (self.prompt is None) == (self.messages is None):
@@ -138,6 +206,7 @@ class Limits(BaseModel):
     max_stop: int = 16
     max_n: int = 16  # continuations returned
     max_width: int = 32  # continuations run at once: best_of, beam_width
+    max_constraint_bytes: int = 65_536  # a schema, regex, grammar or the choices, as compact JSON
 
     def check(self, req: JobRequest) -> None:
         """Raise ValueError naming the first limit `req` exceeds."""
@@ -155,6 +224,12 @@ class Limits(BaseModel):
         if req.width > self.max_width:
             raise ValueError(f"{'beam_width' if req.use_beam_search else 'best_of'} is {req.width}, the limit is "
                              f"{self.max_width}")
+        constraint = req.constraint
+        if constraint is not None:
+            size = metadata_bytes(constraint[1])
+            if size > self.max_constraint_bytes:
+                raise ValueError(f"the {constraint[0]} constraint is {size} bytes as JSON, the limit is "
+                                 f"{self.max_constraint_bytes}")
         size = metadata_bytes(req.metadata)
         if size > self.max_metadata_bytes:
             raise ValueError(f"metadata is {size} bytes as JSON, the limit is {self.max_metadata_bytes}")

@@ -7,7 +7,7 @@ import json
 
 from pydantic import ValidationError
 
-from engine import SamplingParams
+from engine import Constraint, SamplingParams
 from producer.protocol import JobRequest, Limits
 from producer.wire import ENTRY_JOB
 
@@ -64,7 +64,8 @@ def sampling_params(req: JobRequest) -> SamplingParams:
                               frequency_penalty=req.frequency_penalty,
                               repetition_penalty=req.repetition_penalty, n=req.n, best_of=req.best_of,
                               use_beam_search=req.use_beam_search, beam_width=req.beam_width,
-                              length_penalty=req.length_penalty, early_stopping=req.early_stopping)
+                              length_penalty=req.length_penalty, early_stopping=req.early_stopping,
+                              constraint=Constraint(*req.constraint) if req.constraint else None)
     except (ValueError, TypeError) as e:
         raise Rejected("invalid_request", str(e)) from None
 

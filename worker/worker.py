@@ -273,6 +273,10 @@ class Worker:
             raise
         self.steps += 1
         self.last_step_s = time.perf_counter() - t
+        for job_id, why in self.engine.pop_refused():  # a constraint that did not compile: the job's own fault
+            job = self.active.pop(job_id, None)
+            if job is not None:
+                self.publisher.fail(job, "invalid_request", why)
         now = time.time()
         items, firsts, ends, ntok = self._collect(outs, now)
         self._observe_step(firsts, ends, ntok, now)
