@@ -82,13 +82,19 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch, stage: Staging) 
 
 def apply_allowed(logits: torch.Tensor, rows: np.ndarray, bits: np.ndarray, stage: Staging) -> None:
     """logits[rows[i], t] = -inf (in place) wherever bit t of bits[i] is clear. Only the constrained rows are
-    read and written; the bits reach the device packed (1/32 of the logits) and are unpacked there."""
+    touched. On a GPU the bits go over packed (1/32 of the logits) and are unpacked there."""
     vocab = logits.shape[-1]
-    at = stage.to_device("allowed_rows", rows)
-    packed = stage.to_device("allowed_bits", bits)
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((packed[:, :, None] >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()
-    logits.index_copy_(0, at, logits.index_select(0, at).masked_fill_(~allowed, float("-inf")))
+    if logits.device.type == "cpu":
+        banned = torch.from_numpy(np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab] == 0)
+    else:
+        packed = stage.to_device("allowed_bits", bits)
+        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+        banned = ((packed[:, :, None] >> shifts) & 1).view(len(rows), -1)[:, :vocab] == 0
+    if len(rows) == logits.shape[0]:  # rows are in order, none twice: every row
+        logits.masked_fill_(banned, float("-inf"))
+        return
+    for i, row in enumerate(rows.tolist()):  # views: each row masked where it lies
+        logits[row].masked_fill_(banned[i], float("-inf"))
 
 
 def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch, stage: Staging) -> torch.Tensor:

@@ -48,12 +48,16 @@ def _choice(p: Parsed, text: str, finish: str | None, lps: dict | None, delta: d
         return {"index": index, "text": text, "logprobs": lps, "finish_reason": finish}
     if delta is not None:
         return {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}
-    return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
-            "logprobs": lps, "finish_reason": finish}
+    message = {"role": "assistant", "content": text, "refusal": None}
+    if p.tools is not None:
+        message.update(content=None, tool_calls=p.tools.calls(text, p.request.id, index))
+    return {"index": index, "message": message, "logprobs": lps, "finish_reason": finish}
 
 
-def finish_reason(res: JobResult | Choice) -> str:
-    return _FINISH.get(res.finish_reason or "", "stop")
+def finish_reason(res: JobResult | Choice, p: Parsed | None = None) -> str:
+    reason = _FINISH.get(res.finish_reason or "", "stop")
+    # A forced tool call that ran to its end is a call; one cut by max_tokens stays "length", as OpenAI's.
+    return "tool_calls" if reason == "stop" and p is not None and p.tools is not None else reason
 
 
 def choices_of(res: JobResult) -> list[JobResult | Choice]:
@@ -63,7 +67,7 @@ def choices_of(res: JobResult) -> list[JobResult | Choice]:
 
 def completion(p: Parsed, res: JobResult) -> dict:
     """The whole answer of a finished job (status completed); usage counts every choice's tokens."""
-    choices = [_choice(p, c.text, finish_reason(c), logprobs(p, c.logprobs), index=i)
+    choices = [_choice(p, c.text, finish_reason(c, p), logprobs(p, c.logprobs), index=i)
                for i, c in enumerate(choices_of(res))]
     return {"id": response_id(p), "object": "chat.completion" if p.kind == "chat" else "text_completion",
             "created": int(res.timings.enqueued_at or time.time()), "model": p.model,
@@ -89,17 +93,39 @@ class Chunks:
         """Chat opens each choice with the assistant's role and no text yet; completions have no such chunk."""
         if self.p.kind != "chat":
             return b""
-        return b"".join(self._frame([_choice(self.p, "", None, None, {"role": "assistant", "content": ""}, i)])
+        return b"".join(self._frame([_choice(self.p, "", None, None, self._opening(i), i)])
                         for i in range(self.p.request.n))
 
+    def _opening(self, index: int) -> dict:
+        tools = self.p.tools
+        if tools is None:
+            return {"role": "assistant", "content": ""}
+        if not tools.streams_arguments:
+            return {"role": "assistant", "content": None}
+        opened = tools.calls("", self.p.request.id, index)[0]
+        return {"role": "assistant", "content": None, "tool_calls": [{"index": 0, **opened}]}
+
     def text(self, text: str, lps: list[TokenLogprob] | None, index: int = 0) -> bytes:
-        return self._frame([_choice(self.p, text, None, logprobs(self.p, lps), {"content": text}, index)])
+        tools = self.p.tools
+        if tools is None:
+            delta = {"content": text}
+        elif tools.streams_arguments:  # the named call's arguments, as they come
+            delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+        else:  # a "required" array becomes its calls at the end (last)
+            return b""
+        return self._frame([_choice(self.p, text, None, logprobs(self.p, lps), delta, index)])
 
     def last(self, res: JobResult) -> bytes:
         """Each choice's finish reason, then (when asked for) a chunk with no choices and the usage; then
         [DONE]."""
-        out = b"".join(self._frame([_choice(self.p, "", finish_reason(c), None, {}, i)])
-                       for i, c in enumerate(choices_of(res)))
+        out = b""
+        tools = self.p.tools
+        if tools is not None and not tools.streams_arguments:
+            for i, c in enumerate(choices_of(res)):
+                calls = [{"index": k, **call} for k, call in enumerate(tools.calls(c.text, self.p.request.id, i))]
+                out += self._frame([_choice(self.p, "", None, None, {"tool_calls": calls}, i)])
+        out += b"".join(self._frame([_choice(self.p, "", finish_reason(c, self.p), None, {}, i)])
+                        for i, c in enumerate(choices_of(res)))
         if self.p.include_usage:
             out += self._frame([], usage(res.usage))
         return out + DONE

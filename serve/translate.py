@@ -1,5 +1,11 @@
 """OpenAI request bodies -> JobRequests. A field pagedq cannot honour is refused with a 400 that names it:
-a client that asks for tools or JSON mode learns so at once, instead of getting something else silently.
+a client that asks for something pagedq does not do (tool_choice "auto", say) learns so at once, instead of getting
+something else silently.
+
+`response_format` (text, json_object, json_schema) and vLLM's `guided_json`, `guided_regex`, `guided_choice` and
+`guided_grammar` constrain the output; `tools` with a forced `tool_choice` too (serve.tools). A constraint the
+grammar engine refuses (an invalid schema or regex, a grammar error) is a 400 naming the problem, before any job
+is queued.
 
 A field sent as null counts as absent (the SDKs and many apps send nulls). Beyond OpenAI's fields, vLLM's
 sampling extensions that the engine has are accepted too (`top_k`, `min_p`, `repetition_penalty`,
@@ -14,21 +20,24 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from engine.constraints import Constraint
 from producer.protocol import JobRequest
 from serve.errors import APIError, bad_request, unsupported
+from serve.tools import ToolCalls, parse_tools
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 ENDPOINTS = (CHAT, COMPLETIONS)
 
+CONSTRAINTS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's, beside response_format
 # Fields each endpoint maps onto a JobRequest (or reads itself).
 _COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "max_tokens", "stop", "seed", "n",
            "presence_penalty", "frequency_penalty", "user", "logprobs",
            "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "priority", "best_of",
-           "use_beam_search", "length_penalty", "early_stopping"}
+           "use_beam_search", "length_penalty", "early_stopping", "response_format", *CONSTRAINTS}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "metadata", "safety_identifier",
-                   "prompt_cache_key", "store", "service_tier", "response_format", "modalities", "tools",
-                   "tool_choice", "parallel_tool_calls"}
+                   "prompt_cache_key", "store", "service_tier", "modalities", "tools", "tool_choice",
+                   "parallel_tool_calls"}
 _COMPLETION = _COMMON | {"prompt", "echo", "suffix"}
 # OpenAI fields pagedq does not do at all (named in the 400); any other unknown field is unrecognized.
 _UNSUPPORTED = {"logit_bias": "", "functions": "no function calling", "function_call": "no function calling",
@@ -53,6 +62,7 @@ class Parsed:
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
+    tools: ToolCalls | None = None  # the output is a forced tool call
 
 
 def parse(kind: Kind, body: Any, job_id: str | None = None, default_max_tokens: int | None = None) -> Parsed:
@@ -80,9 +90,16 @@ def parse(kind: Kind, body: Any, job_id: str | None = None, default_max_tokens: 
         fields["prompt"] = _prompt(body.get("prompt"))
     for name in ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "top_k",
                  "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "priority", "n", "best_of",
-                 "use_beam_search", "length_penalty", "early_stopping"):
+                 "use_beam_search", "length_penalty", "early_stopping", "response_format", *CONSTRAINTS):
         if name in body:
             fields[name] = body[name]
+    tools = parse_tools(body) if kind == "chat" else None
+    if tools is not None:
+        given = [name for name in ("response_format", *CONSTRAINTS) if name in fields]
+        if given and fields.get("response_format") != {"type": "text"}:
+            raise bad_request(f"a forced tool_choice constrains the output already: drop {given[0]}", given[0])
+        fields.pop("response_format", None)
+        fields["guided_json"] = tools.schema
     max_param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if max_param in body:
         fields["max_tokens"] = body[max_param]
@@ -109,7 +126,24 @@ def parse(kind: Kind, body: Any, job_id: str | None = None, default_max_tokens: 
         loc = str(err["loc"][0]) if err["loc"] else None
         param = max_param if loc == "max_tokens" else loc
         raise bad_request(f"{param or 'request'}: {err['msg']}", param) from None
-    return Parsed(kind, model, req, stream, bool(options.get("include_usage")), logprobs is not None)
+    _check_constraint(req, body, tools)
+    return Parsed(kind, model, req, stream, bool(options.get("include_usage")), logprobs is not None, tools)
+
+
+def _check_constraint(req: JobRequest, body: dict, tools: ToolCalls | None) -> None:
+    """A 400 naming what the grammar engine finds wrong with the request's constraint (compiled without the
+    model's tokenizer: the worker compiles it again, and fails the job should that find more)."""
+    if req.constraint is None:
+        return
+    param = "tools" if tools is not None else next(n for n in ("response_format", *CONSTRAINTS) if n in body)
+    try:
+        problem = Constraint(*req.constraint).problem()
+    except ValueError as e:
+        problem = str(e)
+    except ImportError:  # the grammar engine is the worker's: a front without it leaves the check to the worker
+        return
+    if problem:
+        raise bad_request(f"{param}: invalid {req.constraint[0]} constraint: {problem}", param, "invalid_constraint")
 
 
 def _check_neutral(kind: Kind, body: dict) -> None:
@@ -120,13 +154,6 @@ def _check_neutral(kind: Kind, body: dict) -> None:
         if body.get("suffix"):
             raise unsupported("suffix")
         return
-    if body.get("tools"):
-        raise unsupported("tools", "no tool calling")
-    if body.get("tool_choice", "none") != "none":
-        raise unsupported("tool_choice", "no tool calling")
-    fmt = body.get("response_format", {"type": "text"})
-    if not isinstance(fmt, dict) or fmt.get("type") != "text":
-        raise unsupported("response_format", "text only (no JSON mode or schemas)")
     if body.get("modalities", ["text"]) != ["text"]:
         raise unsupported("modalities", "text only")
     if body.get("store", False):
