@@ -12,8 +12,8 @@ from bench import gpu_check
 from bench.workloads import NAMES
 from engine.config import DEFAULT_MODEL
 
-# The last three are runs of their own (bench.overhead, bench.parallel, bench.serve_load).
-WORKLOADS = (*NAMES, "overhead", "parallel", "serve-load")
+# The last four are runs of their own (bench.overhead, bench.parallel, bench.serve_load, bench.structured).
+WORKLOADS = (*NAMES, "overhead", "parallel", "serve-load", "json")
 SYSTEMS = ("pagedq", "pagedq-redis", "hf-generate", "hf-static", "hf-cb", "pagedq-serve", "vllm")
 DEFAULT_SYSTEMS = SYSTEMS[:-1]  # vLLM when asked for: it needs an environment of its own
 
@@ -96,6 +96,13 @@ def bench(model, device, dtype, workloads, systems, quick, num_requests, hf_sing
 
             workloads = [w for w in workloads if w != "parallel"]
             run_parallel(model, device, dtype, quick, out_dir=out_dir, seed=seed, echo=click.echo)
+            if not workloads:
+                return
+        if "json" in workloads:  # the engine alone, constrained against unconstrained
+            from bench.structured import run_structured
+
+            workloads = [w for w in workloads if w != "json"]
+            run_structured(model, device, dtype, quick, out_dir=out_dir, seed=seed, echo=click.echo)
             if not workloads:
                 return
         if "serve-load" in workloads:  # its own micro model, workers and serve process: a run of its own

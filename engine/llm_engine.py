@@ -482,6 +482,7 @@ class LLMEngine:
             if reason is GONE or (seq.group is not None and not seq.group.streams):
                 continue  # a group that reports its continuations at the end says nothing now
             detok = seq.detok
+            hidden = False
             if detok.lazy:  # no stop strings: the text can wait for whoever reads it
                 # EOS and stop tokens are kept in token_ids but their text is not shown.
                 hidden = reason == "stop" and token in seq.stop_ids  # not a grammar's last token: that one shows
@@ -490,6 +491,10 @@ class LLMEngine:
                 at, text = 0, landed.texts[i]
             out = RequestOutput(seq, token, reason, pos + 1, text, detok.text, detok.sent, logprobs and logprobs[i],
                                 detok if detok.lazy else None, at)
+            if detok.lazy and reason == "stop" and not hidden:
+                # A grammar's last token, which shows: decoded now, since a reader that decodes deferred text
+                # itself (the worker's publisher) hides the last token of every "stop".
+                out.new_text  # noqa: B018
             if seq.group is not None and reason is not None:
                 self._streamed_end(seq, out)
             add(out)

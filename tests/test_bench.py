@@ -229,3 +229,20 @@ def test_parallel_workload_compares_shared_with_unshared(tmp_path, tiny_model):
         assert case["shared"]["peak_blocks"] < case["unshared"]["peak_blocks"], case
         assert case["shared"]["output_tokens"] == case["unshared"]["output_tokens"] > 0
     assert len(data["targets"]) == 4 and "target n=8: throughput vs unshared" in r.output
+
+
+def test_json_workload_compares_constrained_with_unconstrained(tmp_path, tiny_model):
+    """`pagedq bench -w json --quick` on a tiny model: the three runs, every constrained output parsed, the compile
+    and mask timings there, the JSON written."""
+    from click.testing import CliRunner
+
+    from cli import main
+
+    r = CliRunner().invoke(main, ["bench", "-w", "json", "--quick", "--model", tiny_model("llama"),
+                                  "--out-dir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    data = json.loads((tmp_path / "json.json").read_text())
+    assert set(data["runs"]) == {"unconstrained", "one schema", "16 schemas"}
+    assert set(data["ratios"]) == {"one schema", "16 schemas"} and data["target"]["target"] == 0.9
+    assert data["compile_ms"]["schemas"] == 16 and set(data["mask_ms"]) == {"64", "256"}
+    assert all(m["fill"] > 0 and m["apply"] > 0 for m in data["mask_ms"].values())
