@@ -55,14 +55,3 @@ class Constraint:
         if self.kind == "json_schema":
             return LLMatcher.grammar_from_json_schema(self.spec, defaults=JSON_OPTIONS)
         return grammar_from(self.kind, list(self.spec) if self.kind == "choice" else self.spec)
-
-    def problem(self) -> str:
-        """What the grammar engine finds wrong with this constraint, tokenizer aside ("" if nothing): what a front
-        can tell its client before the job is queued. The worker compiles it against its tokenizer again."""
-        from llguidance import LLMatcher
-
-        try:
-            grammar = self.grammar()
-        except (ValueError, TypeError) as e:
-            return str(e)
-        return LLMatcher.validate_grammar(grammar).strip()

@@ -20,7 +20,6 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from engine.constraints import Constraint
 from producer.protocol import JobRequest
 from serve.errors import APIError, bad_request, unsupported
 from serve.tools import ToolCalls, parse_tools
@@ -136,14 +135,19 @@ def _check_constraint(req: JobRequest, body: dict, tools: ToolCalls | None) -> N
     if req.constraint is None:
         return
     param = "tools" if tools is not None else next(n for n in ("response_format", *CONSTRAINTS) if n in body)
+    kind, spec = req.constraint
     try:
-        problem = Constraint(*req.constraint).problem()
-    except ValueError as e:
-        problem = str(e)
+        from llguidance import LLMatcher, grammar_from
     except ImportError:  # the grammar engine is the worker's: a front without it leaves the check to the worker
         return
+    try:  # the engine's grammars (engine.constraints) differ only in options that cannot make one invalid
+        grammar = grammar_from("json_schema" if kind == "json_object" else kind,
+                               {"type": "object"} if kind == "json_object" else spec)
+        problem = LLMatcher.validate_grammar(grammar).strip()
+    except (ValueError, TypeError) as e:
+        problem = str(e)
     if problem:
-        raise bad_request(f"{param}: invalid {req.constraint[0]} constraint: {problem}", param, "invalid_constraint")
+        raise bad_request(f"{param}: invalid {kind} constraint: {problem}", param, "invalid_constraint")
 
 
 def _check_neutral(kind: Kind, body: dict) -> None:
