@@ -8,6 +8,27 @@ export type TerminalStatus = 'completed' | 'failed' | 'cancelled' | 'expired';
 export type FinishReason = 'stop' | 'length' | 'cancelled' | 'error' | 'expired';
 export type JsonValue = string | number | boolean | null | JsonValue[] | { [key: string]: JsonValue };
 
+/** A JSON Schema: an object (`{type: 'object', properties: {...}, required: [...]}`), or true / false. */
+export type JsonSchema = { [key: string]: JsonValue } | boolean;
+
+/**
+ * OpenAI's response_format. `text`: no constraint. `json_object`: any JSON object. `json_schema`: JSON that
+ * matches `json_schema.schema`. JSON is generated without free whitespace.
+ */
+export type ResponseFormat =
+  | { type: 'text' }
+  | { type: 'json_object' }
+  | {
+    type: 'json_schema';
+    json_schema: {
+      /** OpenAI requires it; pagedq does not use it. */
+      name?: string;
+      schema: JsonSchema;
+      strict?: boolean | null;
+      description?: string;
+    };
+  };
+
 export interface Message {
   role: string;
   content: string;
@@ -50,6 +71,22 @@ export interface JobRequest {
   beam_width?: number | null;
   length_penalty?: number;
   early_stopping?: boolean | 'never';
+  /**
+   * Structured output: give at most one of `response_format` (type `text` does not count) and the `guided_*`
+   * fields, and none with `use_beam_search`. The worker masks every token the constraint does not allow; the
+   * output ends (finish_reason "stop") where the constraint is complete. A constraint that does not compile
+   * fails the job (error type `invalid_request`, the grammar engine's message). At most
+   * `limits.max_constraint_bytes` (65536) as compact JSON. Default null.
+   */
+  response_format?: ResponseFormat | null;
+  /** vLLM's: a JSON schema the output must match, or its JSON text. Default null. */
+  guided_json?: JsonSchema | string | null;
+  /** vLLM's: a regular expression the whole output must match (non-empty). Default null. */
+  guided_regex?: string | null;
+  /** vLLM's: the output is exactly one of these non-empty strings. Default null. */
+  guided_choice?: string[] | null;
+  /** vLLM's: a grammar the output must parse as, in Lark or GBNF (llama.cpp's) syntax (non-empty). Default null. */
+  guided_grammar?: string | null;
   /** Lower runs first. */
   priority?: number;
   /** Seconds from enqueue; past it the job expires. */
@@ -67,6 +104,8 @@ export interface Limits {
   max_stop: number;
   max_n: number;
   max_width: number;
+  /** A constraint's schema, regex, grammar or choices, as UTF-8 bytes of compact JSON. Default 65536. */
+  max_constraint_bytes: number;
 }
 
 export interface Usage {
@@ -268,9 +307,11 @@ export const DEFAULT_TTL: number;
 export const DEFAULT_LIMITS: Readonly<Limits>;
 
 /** A validated request with every field set (defaults filled in, an id made). Throws InvalidRequestError. */
-export function makeRequest(request: JobRequest, limits?: Partial<Limits>): Required<Omit<JobRequest, 'stop'>> & {
+export function makeRequest(request: JobRequest, limits?: Partial<Limits>): Required<Omit<JobRequest, 'stop' | 'guided_json'>> & {
   id: string;
   stop: string[];
+  /** Parsed, when given as JSON text. */
+  guided_json: JsonSchema | null;
 };
 /** The wire JSON of a request made by makeRequest (fields that hold their default left out). */
 export function encodeRequest(request: ReturnType<typeof makeRequest>): string;

@@ -31,6 +31,11 @@ const DEFAULTS = {
   beam_width: null,
   length_penalty: 1.0,
   early_stopping: false,
+  response_format: null,
+  guided_json: null,
+  guided_regex: null,
+  guided_choice: null,
+  guided_grammar: null,
   priority: 0,
   timeout_s: null,
   metadata: {},
@@ -45,7 +50,13 @@ export const DEFAULT_LIMITS = Object.freeze({
   max_stop: 16,
   max_n: 16, // continuations returned
   max_width: 32, // continuations run at once: best_of, beam_width
+  max_constraint_bytes: 65_536, // a schema, regex, grammar or the choices, as compact JSON
 });
+
+// vLLM's guided_* fields and the constraint kind each gives (the engine's Constraint.kind).
+const GUIDED = { guided_json: 'json_schema', guided_regex: 'regex', guided_choice: 'choice', guided_grammar: 'grammar' };
+const FORMAT_TYPES = ['text', 'json_object', 'json_schema'];
+const JSON_SCHEMA_KEYS = ['name', 'schema', 'strict', 'description'];
 
 const ID_RE = /^[\x21-\x7e]{1,200}$/; // printable ASCII without spaces: it becomes part of key names
 const INT32_MAX = 2 ** 31 - 1;
@@ -89,23 +100,96 @@ function isPlainObject(v) {
 
 // Plain JSON only: objects, arrays, strings, finite numbers, true, false, null (no undefined, Date, Map,
 // BigInt, NaN...), which JSON.stringify would otherwise drop or change without a word.
-function checkJson(v, path, depth) {
-  if (depth > 500) fail('metadata', `nested too deeply at ${path}`);
+// `field`: the request field that holds `v` (metadata, a JSON schema), named in the error.
+function checkJson(v, path, depth, field = 'metadata') {
+  if (depth > 500) fail(field, `nested too deeply at ${path}`);
   if (v === null || typeof v === 'string' || typeof v === 'boolean') return;
   if (typeof v === 'number') {
-    if (!Number.isFinite(v)) fail('metadata', `${path} is ${v}: metadata must be plain JSON (finite numbers)`);
+    if (!Number.isFinite(v)) fail(field, `${path} is ${v}: ${field} must be plain JSON (finite numbers)`);
     return;
   }
   if (Array.isArray(v)) {
-    v.forEach((x, i) => checkJson(x, `${path}[${i}]`, depth + 1));
+    v.forEach((x, i) => checkJson(x, `${path}[${i}]`, depth + 1, field));
     return;
   }
   if (isPlainObject(v)) {
-    for (const [k, x] of Object.entries(v)) checkJson(x, `${path}.${k}`, depth + 1);
+    for (const [k, x] of Object.entries(v)) checkJson(x, `${path}.${k}`, depth + 1, field);
     return;
   }
-  fail('metadata', `${path} is ${typeof v === 'object' ? v.constructor?.name ?? 'an object' : typeof v}: metadata `
+  fail(field, `${path} is ${typeof v === 'object' ? v.constructor?.name ?? 'an object' : typeof v}: ${field} `
     + 'must be plain JSON (objects, arrays, strings, finite numbers, true, false, null)');
+}
+
+// OpenAI's response_format (producer/protocol.py JobRequest._check_response_format).
+function checkResponseFormat(v) {
+  if (v === null) return null;
+  if (!isPlainObject(v)) fail('response_format', `must be an object {type, json_schema}, got ${show(v)}`);
+  checkJson(v, 'response_format', 0, 'response_format');
+  const kind = v.type;
+  if (!FORMAT_TYPES.includes(kind)) {
+    fail('response_format.type', `must be text, json_object or json_schema, got ${show(kind)}`);
+  }
+  const extra = Object.keys(v).filter((k) => k !== 'type' && !(kind === 'json_schema' && k === 'json_schema'));
+  if (extra.length) fail('response_format', `of type ${kind} does not take ${extra.sort().join(', ')}`);
+  if (kind !== 'json_schema') return v;
+  const spec = v.json_schema;
+  if (!isPlainObject(spec) || !Object.hasOwn(spec, 'schema')) {
+    fail('response_format.json_schema', `must be an object with a schema (and a name), got ${show(spec)}`);
+  }
+  if (!isPlainObject(spec.schema) && typeof spec.schema !== 'boolean') {
+    fail('response_format.json_schema.schema', `must be a JSON Schema object, got ${show(spec.schema)}`);
+  }
+  const unknown = Object.keys(spec).filter((k) => !JSON_SCHEMA_KEYS.includes(k));
+  if (unknown.length) {
+    fail('response_format.json_schema', `does not take ${unknown.sort().join(', ')} (it takes ${JSON_SCHEMA_KEYS.join(', ')})`);
+  }
+  return v;
+}
+
+// vLLM's guided_json: a JSON schema (an object, or true / false), or its JSON text.
+function checkGuidedJson(v) {
+  if (typeof v === 'string') {
+    try {
+      v = JSON.parse(v);
+    } catch (e) {
+      fail('guided_json', `is not valid JSON: ${e.message}`);
+    }
+  }
+  if (v === null) return null;
+  if (!isPlainObject(v) && typeof v !== 'boolean') {
+    fail('guided_json', `must be a JSON schema (an object, true or false, or its JSON text), got ${show(v)}`);
+  }
+  checkJson(v, 'guided_json', 0, 'guided_json');
+  return v;
+}
+
+function nonEmptyString(field, v) {
+  if (v === null) return null;
+  if (typeof v !== 'string' || !v) fail(field, `must be a non-empty string, got ${show(v)}`);
+  return v;
+}
+
+function checkChoices(v) {
+  if (v === null) return null;
+  if (!Array.isArray(v) || !v.length) fail('guided_choice', `must be a non-empty array of strings, got ${show(v)}`);
+  return v.map((c, i) => {
+    if (typeof c !== 'string' || !c) fail(`guided_choice[${i}]`, `must be a non-empty string, got ${show(c)}`);
+    return c;
+  });
+}
+
+/**
+ * [kind, spec, field] of what a request made by makeRequest must parse as (producer/protocol.py
+ * JobRequest.constraint; kind is the engine's: json_schema, json_object, regex, choice, grammar), or null.
+ */
+export function constraintOf(req) {
+  const type = req.response_format?.type;
+  if (type === 'json_schema') return ['json_schema', req.response_format.json_schema.schema, 'response_format'];
+  if (type === 'json_object') return ['json_object', null, 'response_format'];
+  for (const [field, kind] of Object.entries(GUIDED)) {
+    if (req[field] !== null && req[field] !== undefined) return [kind, req[field], field];
+  }
+  return null;
 }
 
 function codePoints(s) {
@@ -193,6 +277,19 @@ export function makeRequest(request, limits = DEFAULT_LIMITS) {
     fail('early_stopping', `must be true, false or "never", got ${show(req.early_stopping)}`);
   }
 
+  // At most one constraint (a response_format of type text is none), and none with beam search.
+  req.response_format = checkResponseFormat(get('response_format'));
+  req.guided_json = checkGuidedJson(get('guided_json'));
+  req.guided_regex = nonEmptyString('guided_regex', get('guided_regex'));
+  req.guided_choice = checkChoices(get('guided_choice'));
+  req.guided_grammar = nonEmptyString('guided_grammar', get('guided_grammar'));
+  const given = Object.keys(GUIDED).filter((k) => req[k] !== null);
+  if ((req.response_format?.type ?? 'text') !== 'text') given.unshift('response_format');
+  if (given.length > 1) fail(given[1], `give at most one constraint; got ${given.join(', ')}`);
+  if (given.length && req.use_beam_search) {
+    fail(given[0], `beam search does not take a constraint (${given[0]}): sample instead`);
+  }
+
   let stop = get('stop');
   if (stop === null) stop = [];
   if (typeof stop === 'string') stop = [stop];
@@ -245,7 +342,16 @@ export function checkLimits(req, limits) {
     fail(field, `${field} is ${width}, the limit is ${limits.max_width}`);
   }
   if (req.stop.length > limits.max_stop) fail('stop', `${req.stop.length} stop strings, the limit is ${limits.max_stop}`);
-  // Python measures json.dumps(metadata) (", " separators, \u escapes): close to this; the worker has the last word.
+  // Sizes are UTF-8 bytes of compact JSON, as Python's metadata_bytes measures them (a float such as 1.0 may
+  // differ by a byte or two: the worker has the last word).
+  const constraint = constraintOf(req);
+  if (constraint !== null) {
+    const [kind, spec, field] = constraint;
+    const bytes = Buffer.byteLength(JSON.stringify(spec));
+    if (bytes > limits.max_constraint_bytes) {
+      fail(field, `the ${kind} constraint is ${bytes} bytes as JSON, the limit is ${limits.max_constraint_bytes}`);
+    }
+  }
   const size = Buffer.byteLength(JSON.stringify(req.metadata));
   if (size > limits.max_metadata_bytes) {
     fail('metadata', `metadata is ${size} bytes as JSON, the limit is ${limits.max_metadata_bytes}`);

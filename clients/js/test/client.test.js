@@ -316,3 +316,66 @@ describe('connections', LIMIT, () => {
     }
   });
 });
+
+// Structured output (validation: constraints.test.js). The tiny model's weights are random: its output fits only
+// because every token the constraint does not allow is masked. Strings are bounded: else it may rarely close one.
+describe('structured output', LIMIT, () => {
+  const SCHEMA = {
+    type: 'object',
+    properties: {
+      color: { enum: ['red', 'green', 'blue'] },
+      count: { type: 'integer', minimum: 0, maximum: 99 },
+      tag: { type: 'string', maxLength: 6 },
+    },
+    required: ['color', 'count', 'tag'],
+    additionalProperties: false,
+  };
+  const JSON_SCHEMA = { type: 'json_schema', json_schema: { name: 'thing', schema: SCHEMA, strict: true } };
+
+  test('guided_choice: the text is one of the choices, and ends with stop', async () => {
+    const choices = ['yes', 'no', 'maybe later'];
+    const jobs = await client.submitMany([
+      { prompt: 'Is it?', guided_choice: choices, max_tokens: 16, seed: 1 },
+      { prompt: 'Is it?', guided_choice: choices, max_tokens: 16, n: 3, seed: 2 },
+    ]);
+    const [one, three] = await Promise.all(jobs.map((j) => j.result({ timeoutMs: 120_000 })));
+    assert.equal(one.status, 'completed', JSON.stringify(one.error));
+    assert.ok(choices.includes(one.text), one.text);
+    assert.equal(one.finish_reason, 'stop');
+    assert.equal(three.choices.length, 3);
+    for (const c of three.choices) {
+      assert.ok(choices.includes(c.text), c.text);
+      assert.equal(c.finish_reason, 'stop');
+    }
+  });
+
+  test('response_format json_schema: the text parses and fits the schema; max_tokens cuts with length', async () => {
+    const [whole, cut] = await client.submitMany([
+      { prompt: 'Describe a thing as JSON.', response_format: JSON_SCHEMA, max_tokens: 200, seed: 3 },
+      { prompt: 'Describe a thing as JSON.', response_format: JSON_SCHEMA, max_tokens: 3, seed: 3 },
+    ]);
+    const res = await whole.result({ timeoutMs: 120_000 });
+    assert.equal(res.status, 'completed', JSON.stringify(res.error));
+    assert.equal(res.finish_reason, 'stop', res.text);
+    const obj = JSON.parse(res.text);
+    assert.deepEqual(Object.keys(obj).sort(), ['color', 'count', 'tag']);
+    assert.ok(['red', 'green', 'blue'].includes(obj.color), res.text);
+    assert.ok(Number.isInteger(obj.count) && obj.count >= 0 && obj.count <= 99, res.text);
+    assert.ok(typeof obj.tag === 'string' && [...obj.tag].length <= 6, res.text);
+    assert.ok(res.text.startsWith('{"color":"'), `no free whitespace: ${res.text}`);
+    assert.equal(checkEvents(await collect(whole.stream())).result.text, res.text, 'the last token shows in the stream too');
+
+    const part = await cut.result({ timeoutMs: 120_000 });
+    assert.equal(part.finish_reason, 'length');
+    assert.equal(part.token_ids.length, 3);
+    assert.ok(res.text.startsWith('{') && part.text.startsWith('{'), part.text);
+  });
+
+  test('a constraint that does not compile fails the job: invalid_request, the grammar engine\'s message', async () => {
+    const job = await client.submit({ prompt: 'p', guided_regex: '(unclosed', max_tokens: 4 });
+    const res = await job.result({ timeoutMs: 120_000 });
+    assert.equal(res.status, 'failed');
+    assert.equal(res.error.type, 'invalid_request');
+    assert.match(res.error.message, /regex/i);
+  });
+});

@@ -18,6 +18,13 @@ export async function use(): Promise<string> {
     if (ev.type === 'token') text += `${ev.index}${ev.finish_reason ?? ''}`;
   }
   for (const c of (await many.result()).choices ?? []) text += `${c.index}${c.text}${c.cumulative_logprob ?? ''}`;
+  const shaped = await client.submit({ prompt: 'p', response_format: { type: 'json_schema', json_schema: { name: 'x',
+    schema: { type: 'object', properties: { n: { type: 'integer', maximum: 9 } }, required: ['n'] }, strict: true } } });
+  text += (await shaped.result()).text;
+  await client.submitMany([{ prompt: 'p', guided_choice: ['yes', 'no'] }, { prompt: 'p', guided_regex: '[0-9]+' },
+    { prompt: 'p', guided_json: '{"type": "string"}' }, { prompt: 'p', guided_grammar: 'start: "a"+' },
+    { prompt: 'p', response_format: { type: 'json_object' } }]);
+  text += String(createClient({ limits: { max_constraint_bytes: 1024 } }).limits.max_constraint_bytes);
   try {
     await client.submitMany([{ prompt: 'a' }, { id: job.id, prompt: 'b' }]);
   } catch (err) {
