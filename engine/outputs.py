@@ -92,12 +92,6 @@ class RequestOutput:
         self._detok = None
 
     @property
-    def constrained(self) -> bool:
-        """Whether its request has a constraint: then a "stop" may be the grammar's end, whose last token shows
-        (not a stop token's, which never does)."""
-        return self._seq.matcher is not None
-
-    @property
     def text_deferred(self) -> bool:
         """True while this output's text is still to be decoded (its request has no stop strings): a reader in
         another process can decode new_token_ids itself instead."""

@@ -82,10 +82,7 @@ class Publisher:
             several = out.several
             if out.finished or out.logprobs or not out.text_deferred or several:  # deferred text: decoded there
                 ends += out.request_finished
-                # The process decodes deferred text as the engine would, but a "stop" there hides the last token:
-                # right for a stop token, wrong for a grammar's end. A constrained output's end is decoded here.
-                deferred = out.text_deferred and not (out.finished and out.constrained)
-                extra = (len(ids) - 1, None if deferred else out.new_text, out.finish_reason,
+                extra = (len(ids) - 1, None if out.text_deferred else out.new_text, out.finish_reason,
                          out.logprobs and [(lp, list(top.items())) for lp, top in out.logprobs])
                 if several:
                     extra += (out.index, out.request_finished, out.cumulative_logprob)
