@@ -11,7 +11,6 @@ per second of both runs.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable
@@ -33,7 +32,7 @@ def run_parallel(model: str, device: str | None = None, dtype: str | None = None
     """Every case shared and unshared, one after the other in this process -> what parallel.json holds."""
     import torch
 
-    from bench.report import machine
+    from bench.report import machine, write_json
     from engine import EngineConfig, LLMEngine
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -63,11 +62,7 @@ def run_parallel(model: str, device: str | None = None, dtype: str | None = None
     data["targets"] = _targets(data["cases"])
     for t in data["targets"]:
         echo(f"  target {t['name']}: {t['value']:.3f} (>= {t['target']}) {'met' if t['met'] else 'MISSED'}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "parallel.json"
-    path.write_text(json.dumps(data, indent=2) + "\n")
-    echo(f"wrote {path}")
+    echo(f"wrote {write_json(data, out_dir, 'parallel.json')}")
     return data
 
 

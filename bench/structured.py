@@ -48,7 +48,7 @@ def run_structured(model: str, device: str | None = None, dtype: str | None = No
     """Unconstrained, one schema, 16 schemas; then the compile and mask timings -> what json.json holds."""
     import torch
 
-    from bench.report import machine
+    from bench.report import machine, write_json
     from engine import EngineConfig, LLMEngine
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -81,11 +81,7 @@ def run_structured(model: str, device: str | None = None, dtype: str | None = No
     echo(f"  schema compile: median {c['median']:.2f} ms, max {c['max']:.2f} ms over {c['schemas']} schemas")
     for rows, m in data["mask_ms"].items():
         echo(f"  mask per step at {rows} rows: {m['fill']:.2f} ms to compute + {m['apply']:.2f} ms to apply")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "json.json"
-    path.write_text(json.dumps(data, indent=2) + "\n")
-    echo(f"wrote {path}")
+    echo(f"wrote {write_json(data, out_dir, 'json.json')}")
     return data
 
 

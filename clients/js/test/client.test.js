@@ -4,7 +4,7 @@ import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import { createClient as createRedis } from 'redis';
 import { Client, DuplicateJobError, InvalidRequestError, JobNotFound, TimeoutError, newId } from '../src/index.js';
-import { randomQueue, startRedis, startWorker, waitFor } from './helpers.js';
+import { JSON_SCHEMA, SCHEMA, randomQueue, startRedis, startWorker, waitFor } from './helpers.js';
 
 let srv;
 let worker;
@@ -320,18 +320,6 @@ describe('connections', LIMIT, () => {
 // Structured output (validation: constraints.test.js). The tiny model's weights are random: its output fits only
 // because every token the constraint does not allow is masked. Strings are bounded: else it may rarely close one.
 describe('structured output', LIMIT, () => {
-  const SCHEMA = {
-    type: 'object',
-    properties: {
-      color: { enum: ['red', 'green', 'blue'] },
-      count: { type: 'integer', minimum: 0, maximum: 99 },
-      tag: { type: 'string', maxLength: 6 },
-    },
-    required: ['color', 'count', 'tag'],
-    additionalProperties: false,
-  };
-  const JSON_SCHEMA = { type: 'json_schema', json_schema: { name: 'thing', schema: SCHEMA, strict: true } };
-
   test('guided_choice: the text is one of the choices, and ends with stop', async () => {
     const choices = ['yes', 'no', 'maybe later'];
     const jobs = await client.submitMany([

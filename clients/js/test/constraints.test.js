@@ -6,19 +6,8 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { describe, test } from 'node:test';
 import { DEFAULT_LIMITS, InvalidRequestError, encodeRequest, makeRequest } from '../src/index.js';
-import { python } from './helpers.js';
+import { JSON_SCHEMA, SCHEMA, python } from './helpers.js';
 
-const SCHEMA = {
-  type: 'object',
-  properties: {
-    color: { enum: ['red', 'green', 'blue'] },
-    count: { type: 'integer', minimum: 0, maximum: 99 },
-    tag: { type: 'string', maxLength: 6 },
-  },
-  required: ['color', 'count', 'tag'],
-  additionalProperties: false,
-};
-const JSON_SCHEMA = { type: 'json_schema', json_schema: { name: 'thing', schema: SCHEMA, strict: true } };
 
 describe('constraint validation', () => {
   const bad = [

@@ -206,3 +206,16 @@ export function python(code, env = {}) {
 export function randomQueue(prefix = 'js') {
   return `${prefix}${Math.random().toString(36).slice(2, 12)}`;
 }
+
+/** A small schema the tiny random-weight model can fill: its strings are bounded, else it may rarely close one. */
+export const SCHEMA = {
+  type: 'object',
+  properties: {
+    color: { enum: ['red', 'green', 'blue'] },
+    count: { type: 'integer', minimum: 0, maximum: 99 },
+    tag: { type: 'string', maxLength: 6 },
+  },
+  required: ['color', 'count', 'tag'],
+  additionalProperties: false,
+};
+export const JSON_SCHEMA = { type: 'json_schema', json_schema: { name: 'thing', schema: SCHEMA, strict: true } };
