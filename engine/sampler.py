@@ -92,9 +92,12 @@ def apply_allowed(logits: torch.Tensor, rows: np.ndarray, bits: np.ndarray, stag
         banned = ((packed[:, :, None] >> shifts) & 1).view(len(rows), -1)[:, :vocab] == 0
     if len(rows) == logits.shape[0]:  # rows are in order, none twice: every row
         logits.masked_fill_(banned, float("-inf"))
-        return
-    for i, row in enumerate(rows.tolist()):  # views: each row masked where it lies
-        logits[row].masked_fill_(banned[i], float("-inf"))
+    elif logits.device.type == "cpu":
+        for i, row in enumerate(rows.tolist()):  # views: each row masked where it lies, nothing copied
+            logits[row].masked_fill_(banned[i], float("-inf"))
+    else:  # one gather and one scatter rather than a launch per row
+        at = stage.to_device("allowed_rows", rows)
+        logits.index_copy_(0, at, logits.index_select(0, at).masked_fill_(banned, float("-inf")))
 
 
 def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch, stage: Staging) -> torch.Tensor:
