@@ -1,7 +1,8 @@
 """The json workload: the chat workload with every request under a JSON schema, against the same requests
 unconstrained, on the engine direct (issue 25).
 
-Cases: one schema for all requests, and 16 different schemas (each compiled once, the requests spread over them).
+Cases: one schema for all requests, and 16 different schemas (each compiled once, the requests spread over them);
+the three runs take turns, twice, each kept at its best.
 Reported: output tokens per second of each case and of the unconstrained run (target: constrained >= 0.9x), the
 compile time of each schema (cold, in the engine's compile thread), and the per-step mask time at 64 and 256
 constrained rows (llguidance's masks for every row, then the masking of a [rows, vocab] logits tensor).
@@ -19,23 +20,24 @@ REQUESTS = 64
 QUICK_REQUESTS = 6
 OUTPUT_TOKENS = 100
 MASK_ROWS = (64, 256)
+ROUNDS = 2
 THROUGHPUT_TARGET = 0.9
 CATEGORIES = ["books", "garden", "kitchen", "music", "sports", "toys", "tools", "travel"]
 
 
 def product_schema(variant: int = 0) -> dict:
-    """A product record of the kind apps extract; variant v renames its fields and changes its enum, so that 16
-    variants are 16 schemas to compile."""
+    """A product record of the kind apps extract, bounded so that it fits the workload's 100 tokens; variant v
+    renames its fields and changes its enum, so that 16 variants are 16 schemas to compile."""
     suffix = "" if variant == 0 else f"_{variant}"
     return {
         "type": "object",
         "properties": {
-            f"name{suffix}": {"type": "string", "maxLength": 60},
+            f"name{suffix}": {"type": "string", "maxLength": 30},
             f"price{suffix}": {"type": "number", "minimum": 0, "maximum": 10000},
             f"category{suffix}": {"enum": CATEGORIES[variant % 4:] + [f"other{variant}"]},
             f"in_stock{suffix}": {"type": "boolean"},
-            f"tags{suffix}": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 5},
-            f"summary{suffix}": {"type": "string", "maxLength": 300},
+            f"tags{suffix}": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
+            f"summary{suffix}": {"type": "string", "maxLength": 80},
         },
         "required": [f"name{suffix}", f"price{suffix}", f"category{suffix}", f"in_stock{suffix}",
                      f"tags{suffix}", f"summary{suffix}"],
@@ -64,8 +66,12 @@ def run_structured(model: str, device: str | None = None, dtype: str | None = No
     runs = {"unconstrained": [None] * n, "one schema": [product_schema()] * n,
             "16 schemas": [product_schema(i % 16) for i in range(n)]}
     data["runs"] = {}
-    for name, schemas in runs.items():
-        data["runs"][name] = fig = _measure(engine, prompts, schemas, out_tokens)
+    for _ in range(ROUNDS):  # in turn, each kept at its best: a stray load on the machine hits one round
+        for name, schemas in runs.items():
+            fig = _measure(engine, prompts, schemas, out_tokens)
+            if name not in data["runs"] or fig["tokens_per_s"] > data["runs"][name]["tokens_per_s"]:
+                data["runs"][name] = fig
+    for name, fig in data["runs"].items():
         echo(f"  {name:14s} {fig['tokens_per_s']:7.1f} tok/s ({fig['output_tokens']} tokens in "
              f"{fig['seconds']:.1f} s; {fig['parsed']}/{fig['constrained']} outputs parse)")
     base = data["runs"]["unconstrained"]["tokens_per_s"]
