@@ -121,9 +121,9 @@ def test_preempted_and_resumed_requests_keep_their_constraint(tiny_model):
     from engine import LLMEngine
 
     # Few blocks: a batch of long outputs preempts and recomputes; the matchers keep their place.
-    small = LLMEngine(EngineConfig(model=tiny_model("llama"), max_num_seqs=8, num_kv_blocks=24, block_size=8))
-    params = [constrained("json_schema", SCHEMA, temperature=1.0, seed=i) for i in range(8)]
-    outs = small.generate([f"Pet {i}, described at some length:" for i in range(8)], params)
+    small = LLMEngine(EngineConfig(model=tiny_model("llama"), max_num_seqs=6, num_kv_blocks=20, block_size=8))
+    params = [constrained("json_schema", SCHEMA, temperature=1.0, seed=i) for i in range(6)]
+    outs = small.generate([f"Pet {i}, described at some length:" for i in range(6)], params)
     assert any(o._seq.num_preemptions for o in outs)
     for out in outs:
         jsonschema.validate(json.loads(out.text), SCHEMA)
