@@ -242,7 +242,9 @@ def test_json_workload_compares_constrained_with_unconstrained(tmp_path, tiny_mo
                                   "--out-dir", str(tmp_path)])
     assert r.exit_code == 0, r.output
     data = json.loads((tmp_path / "json.json").read_text())
-    assert set(data["runs"]) == {"unconstrained", "one schema", "16 schemas"}
-    assert set(data["ratios"]) == {"one schema", "16 schemas"} and data["target"]["target"] == 0.9
+    assert set(data["runs"]) == {"unconstrained", "one schema", "16 schemas", "one schema, lengths unconstrained",
+                                 "16 schemas, lengths unconstrained"}
+    assert set(data["ratios"]) == set(data["ratios_same_lengths"]) == {"one schema", "16 schemas"}
+    assert data["target"]["target"] == 0.9
     assert data["compile_ms"]["schemas"] == 16 and set(data["mask_ms"]) == {"64", "256"}
     assert all(m["fill"] > 0 and m["apply"] > 0 for m in data["mask_ms"].values())
