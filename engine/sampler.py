@@ -84,20 +84,22 @@ def apply_allowed(logits: torch.Tensor, rows: np.ndarray, bits: np.ndarray, stag
     """logits[rows[i], t] = -inf (in place) wherever bit t of bits[i] is clear. Only the constrained rows are
     touched. On a GPU the bits go over packed (1/32 of the logits) and are unpacked there."""
     vocab = logits.shape[-1]
-    if logits.device.type == "cpu":
-        banned = torch.from_numpy(np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab] == 0)
+    if logits.device.type == "cpu":  # unpacked to bytes 0 and 1: booleans as they are
+        unpacked = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
+        allowed = torch.from_numpy(unpacked).view(torch.bool)[:, :vocab]
     else:
         packed = stage.to_device("allowed_bits", bits)
         shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-        banned = ((packed[:, :, None] >> shifts) & 1).view(len(rows), -1)[:, :vocab] == 0
+        allowed = ((packed[:, :, None] >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()
+    banned = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
     if len(rows) == logits.shape[0]:  # rows are in order, none twice: every row
-        logits.masked_fill_(banned, float("-inf"))
+        torch.where(allowed, logits, banned, out=logits)
     elif logits.device.type == "cpu":
         for i, row in enumerate(rows.tolist()):  # views: each row masked where it lies, nothing copied
-            logits[row].masked_fill_(banned[i], float("-inf"))
+            torch.where(allowed[i], logits[row], banned, out=logits[row])
     else:  # one gather and one scatter rather than a launch per row
         at = stage.to_device("allowed_rows", rows)
-        logits.index_copy_(0, at, logits.index_select(0, at).masked_fill_(banned, float("-inf")))
+        logits.index_copy_(0, at, torch.where(allowed, logits.index_select(0, at), banned))
 
 
 def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch, stage: Staging) -> torch.Tensor:
