@@ -137,6 +137,7 @@ def quantize(model: nn.Module, mode: str, gguf: Path | None, backend) -> list[La
         parent, _, child = name.rpartition(".")
         setattr(modules[parent] if parent else model, child, new)
         reports.append(LayerReport(name, fmt, new.packed.numel(), path))
+        log.debug("%s: %s kept quantized, %d bytes, %s", name, fmt, new.packed.numel(), path)
     for name, kinds in skipped.items():
         weight = modules[name].weight
         reports.append(LayerReport(name, str(weight.dtype).removeprefix("torch."), weight.numel() * weight.element_size(),

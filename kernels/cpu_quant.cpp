@@ -136,6 +136,9 @@ struct QuantGemm {
 };
 
 constexpr int64_t kRowsPerBlock = 8;  // 8 rows' int and float sums: 16 of the 32 vector registers
+// Rows multiplied against each of a thread's panels before the next rows (a prompt's): their int8 inputs stay in
+// L2 while the panels stream through.
+constexpr int64_t kRowsPerPass = 64;
 
 template <typename T>
 void run_quant(const QuantGemm& g, const T* x, int64_t lda, int64_t rows, T* out) {
@@ -146,12 +149,15 @@ void run_quant(const QuantGemm& g, const T* x, int64_t lda, int64_t rows, T* out
   const int64_t panels = pagedq::round_up(g.width, kCols) / kCols;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     __m512 sums[kRowsPerBlock];
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t first = 0; first < rows; first += kRowsPerBlock) {
-        const int64_t count = std::min(kRowsPerBlock, rows - first);
-        g.sum_block(a, p, first, count, sums);
-        for (int64_t r = 0; r < count; ++r) g.store(sums[r], p, out + (first + r) * g.width);
-      }
+    for (int64_t pass = 0; pass < rows; pass += kRowsPerPass) {
+      const int64_t pass_end = std::min(rows, pass + kRowsPerPass);
+      for (int64_t p = begin; p < end; ++p)
+        for (int64_t first = pass; first < pass_end; first += kRowsPerBlock) {
+          const int64_t count = std::min(kRowsPerBlock, pass_end - first);
+          g.sum_block(a, p, first, count, sums);
+          for (int64_t r = 0; r < count; ++r) g.store(sums[r], p, out + (first + r) * g.width);
+        }
+    }
   });
 }
 #endif
