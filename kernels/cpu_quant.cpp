@@ -51,19 +51,25 @@ struct Activations {
 
   const int32_t* words(int64_t row) const { return reinterpret_cast<const int32_t*>(q.data() + row * k); }
 
+  // Row `row` of x quantized, 16 inputs a register (a block is 16 or 32 inputs): a decode step of 16 rows
+  // quantizes ~50,000 inputs a layer, too many for a scalar loop.
   template <typename T>
   void quantize(int64_t row, const T* x) {
-    const int64_t blocks = k / block;
+    const int64_t blocks = k / block, regs = block / 16;
     for (int64_t b = 0; b < blocks; ++b) {
-      const T* in = x + b * block;
-      float amax = 0.f;
-      for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::abs(static_cast<float>(in[i])));
-      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      __m512 v[2];
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t i = 0; i < regs; ++i) {
+        v[i] = pagedq::load16(x + b * block + i * 16);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+      }
+      const float m = _mm512_reduce_max_ps(amax), d = m / 127.f, inv = m > 0.f ? 127.f / m : 0.f;
       int32_t sum = 0;
-      int8_t* out = q.data() + row * k + b * block;
-      for (int64_t i = 0; i < block; ++i) {
-        out[i] = static_cast<int8_t>(std::nearbyint(static_cast<float>(in[i]) * inv));
-        sum += out[i];
+      for (int64_t i = 0; i < regs; ++i) {
+        // rounded to nearest even (the MXCSR default), as std::nearbyint and torch.round
+        const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], _mm512_set1_ps(inv)));
+        sum += _mm512_reduce_add_epi32(qi);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q.data() + row * k + b * block + i * 16), _mm512_cvtepi32_epi8(qi));
       }
       scale[row * blocks + b] = d;
       scaled_sum[row * blocks + b] = d * static_cast<float>(sum);
@@ -143,7 +149,7 @@ constexpr int64_t kRowsPerPass = 64;
 template <typename T>
 void run_quant(const QuantGemm& g, const T* x, int64_t lda, int64_t rows, T* out) {
   Activations a(rows, g.k, g.layout.block);
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) a.quantize(r, x + r * lda);
   });
   const int64_t panels = pagedq::round_up(g.width, kCols) / kCols;
