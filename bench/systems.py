@@ -23,8 +23,9 @@ HF_STATIC = "hf-static"
 HF_CB = "hf-cb"
 SERVE = "pagedq-serve"
 VLLM = "vllm"  # a subprocess in the user's own vLLM environment (bench.vllm_peer)
-ALL = (ENGINE, REDIS, HF_SINGLE, HF_STATIC, HF_CB, SERVE, VLLM)
-DEFAULT = tuple(s for s in ALL if s != VLLM)  # vLLM runs when asked for: it needs an install of its own
+LLAMACPP = "llamacpp"  # llama.cpp's own llama-server on the model's GGUF (bench.llamacpp_peer)
+ALL = (ENGINE, REDIS, HF_SINGLE, HF_STATIC, HF_CB, SERVE, VLLM, LLAMACPP)
+DEFAULT = tuple(s for s in ALL if s not in (VLLM, LLAMACPP))  # the peers run when asked for: installs of their own
 LABELS = {
     ENGINE: "pagedq engine",
     REDIS: "pagedq via Redis",
@@ -33,6 +34,7 @@ LABELS = {
     HF_STATIC: "HF static batching",
     HF_CB: "HF generate_batch (CB)",
     VLLM: "vLLM",
+    LLAMACPP: "llama.cpp server",
 }
 
 

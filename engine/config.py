@@ -7,6 +7,7 @@ from dataclasses import dataclass
 DTYPES = ("float32", "bfloat16", "float16")
 AUTO = "auto"  # bfloat16 on CUDA and on CPUs with bfloat16 matmul units (AVX-512 BF16, AMX); float32 elsewhere
 BACKENDS = ("auto", "torch", "cpu", "triton")
+QUANTIZATIONS = ("auto", "none", "int8")
 # (max_num_seqs, max_num_batched_tokens) by device. CPU: measured with `pagedq bench` (README, "vLLM as a peer"): a
 # decode step reads every weight once whatever the batch, so more sequences per step amortize that read (mixed:
 # +19% from 64 to 256 sequences); a step is a few hundred ms, so 4,096 tokens keep prefill chunks in step with it.
@@ -40,6 +41,9 @@ class EngineConfig:
     # CPU, bfloat16: linear weights reordered once at load, for AMX tiles (engine.packed_linear.TileLinear) or else
     # oneDNN; faster.
     prepack_weights: bool = True
+    # CPU: "auto" keeps a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights quantized in memory (engine.quantized_linear);
+    # "none" dequantizes them to float; "int8" makes weight-only per-channel int8 of any model's float weights.
+    quantization: str = "auto"
     # Schedule and launch step N+1 while step N is still on the device (N's tokens fed to it there), so that all
     # host work of a step runs during a forward (LLMEngine.step). None: on for CUDA, where a forward runs
     # asynchronously; on a CPU the forward is synchronous, and overlap would only return every output a forward later.
@@ -57,6 +61,8 @@ class EngineConfig:
         self.max_num_batched_tokens = tokens if self.max_num_batched_tokens is None else self.max_num_batched_tokens
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES} or {AUTO!r}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         if self.device.split(":")[0] not in ("cpu", "cuda"):

@@ -60,6 +60,15 @@ def resolve_model(model: str, cache_dir: str | None = None) -> Path:
     return _download(model)
 
 
+def gguf_source(model: str) -> Path | None:
+    """The GGUF file `model` comes from (an alias or a .gguf path), or None: the quantized weights' source
+    (engine.quantized_linear), beside the float folder resolve_model makes of it."""
+    if model in ALIASES:
+        return alias_gguf(model)
+    path = Path(model).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
 def _download(repo_id: str) -> Path:
     try:
         from huggingface_hub import snapshot_download

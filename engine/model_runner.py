@@ -12,9 +12,10 @@ from engine import host_memory, step_inputs
 from engine.block_tables import BlockTables
 from engine.config import EngineConfig
 from engine.decode_buffers import DecodeBuffers
-from engine.loader import cache_root
+from engine.loader import cache_root, gguf_source
 from engine.models.llama import SUPPORTED_ARCHS, AttnContext, LlamaForCausalLM
 from engine.packed_linear import PanelLinear, pack_linears
+from engine.quantized_linear import quantize, summary
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import SchedulerOutput
 from engine.staging import Staging
@@ -72,6 +73,11 @@ class ModelRunner:
         self.model.eval()
         if self.backend.layers is not None:
             self.model.use_fast_layers(self.backend.layers)
+        self.quantized = []  # engine.quantized_linear.LayerReport per linear layer, where any is quantized
+        if self.device.type == "cpu":
+            self.quantized = quantize(self.model, config.quantization, gguf_source(config.model), self.backend)
+            if self.quantized:
+                log.info("weights kept quantized: %s", summary(self.quantized))
         if self.device.type == "cpu" and config.prepack_weights:
             log.info("prepacked %d linear layers", pack_linears(self.model, config.max_num_seqs, self.backend))
         log.info("kernels: %s", self.backend.describe())

@@ -33,7 +33,7 @@ log = logging.getLogger("pagedq.kernels")
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / name for name in ("cpu_library.cpp", "cpu_attention.cpp", "cpu_prefill.cpp", "cpu_layers.cpp",
-                                    "cpu_sampling.cpp", "cpu_linear.cpp", "cpu_model.cpp")]
+                                    "cpu_sampling.cpp", "cpu_linear.cpp", "cpu_quant.cpp", "cpu_model.cpp")]
 HEADERS = [HERE / "cpu_math.h", HERE / "cpu_library.h", HERE / "cpu_model.h"]
 # -march=native: the build is for this CPU (its flags are in the key). Reassociating float sums lets the compiler
 # vectorize the dot products; every sum is still accumulated in float32.

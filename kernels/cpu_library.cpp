@@ -13,6 +13,7 @@ TORCH_LIBRARY(pagedq, m) {
   m.def("prefill_max_group() -> int", &pagedq::prefill_max_group);
   m.def("silu_and_mul_built() -> bool", &pagedq::silu_and_mul_built);
   m.def("panel_linear_path(str dtype) -> str", &pagedq::panel_linear_path);
+  m.def("quant_linear_path() -> str", &pagedq::quant_linear_path);
 
   // cpu_attention.cpp
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor rows, Tensor seqs, Tensor seq_lens, "

@@ -21,10 +21,12 @@ def tiny_model():
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """One SmolLM2-135M-Instruct engine shared by the tests that need a real model."""
+    """One SmolLM2-135M-Instruct engine shared by the tests that need a real model: its GGUF dequantized to float32
+    (quantization="none"), the weights transformers runs, for exact greedy parity."""
     from engine import EngineConfig, LLMEngine
 
-    return LLMEngine(EngineConfig(model="smollm2-135m-instruct", max_num_seqs=16, num_kv_blocks=512))
+    return LLMEngine(EngineConfig(model="smollm2-135m-instruct", max_num_seqs=16, num_kv_blocks=512,
+                                  quantization="none"))
 # ---- end of engine fixtures ----
 
 # ---- producer / worker fixtures (issue 3): a real redis-server per session, a fresh queue per test ----

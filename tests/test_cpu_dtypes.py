@@ -91,7 +91,7 @@ def test_bfloat16_stays_close_to_float32():
     runs = {}
     for dtype in ("float32", "bfloat16"):
         engine = LLMEngine(EngineConfig(model="smollm2-135m-instruct", dtype=dtype, max_num_seqs=8,
-                                        num_kv_blocks=64))
+                                        num_kv_blocks=64, quantization="none"))
         runs[dtype] = engine.generate(PROMPTS, params)
     for full, half in zip(runs["float32"], runs["bfloat16"]):
         assert full.token_ids == half.token_ids

@@ -91,5 +91,6 @@ def test_smollm2_matches_under_preemption():
     from engine.loader import resolve_model
 
     path = str(resolve_model("smollm2-135m-instruct"))
-    engine = LLMEngine(EngineConfig(model="smollm2-135m-instruct", num_kv_blocks=12, block_size=8))
+    engine = LLMEngine(EngineConfig(model="smollm2-135m-instruct", num_kv_blocks=12, block_size=8,
+                                    quantization="none"))
     check(engine, path, PROMPTS[:8], 12)

@@ -243,7 +243,7 @@ class LlamaForCausalLM(nn.Module):
                                                                layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         gated = {getattr(layer.mlp.gate_up_proj, "activates", False) for layer in self.model.layers}
         fits = (backend.decoder is not None and self.fast is backend.layers and len(gated) == 1
-                and all(type(m) is PanelLinear for m in linears)
+                and all(isinstance(m, PanelLinear) for m in linears)
                 and backend.decoder.fits(attn.head_dim, attn.num_heads // attn.num_kv_heads))
         self.decoder = backend.decoder([self._layer_tensors(layer) for layer in self.model.layers],
                                        self.model.embed_tokens.weight, self.model.norm.weight, self.cos, self.sin,

