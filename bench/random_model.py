@@ -14,7 +14,8 @@ from engine.loader import resolve_model
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def make_tiny_model(path: str, arch: str = "llama", seed: int = 0, tie: bool | None = None, layers: int = 2) -> str:
+def make_tiny_model(path: str, arch: str = "llama", seed: int = 0, tie: bool | None = None, layers: int = 2,
+                    kv_heads: int = 2) -> str:
     """Write a small random-weight model of `arch` with SmolLM2's tokenizer to `path` (hidden size 64): for
     fast tests, and for benchmarks of what the host does around a forward that costs next to nothing."""
     import torch
@@ -39,7 +40,7 @@ def make_tiny_model(path: str, arch: str = "llama", seed: int = 0, tie: bool | N
         intermediate_size=128,
         num_hidden_layers=layers,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=2048,
         rope_theta=10000.0,
         tie_word_embeddings=(arch in ("llama", "qwen3")) if tie is None else tie,

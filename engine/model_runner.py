@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 
 import numpy as np
@@ -122,7 +123,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             torch.set_num_threads(cpu_threads(config))
         self.ranks = Ranks(config, folder, local_ranks(config)[1:])
-        return Shard(0, size, self.ranks.init_method, config.device, before_join=self.ranks.wait_ready)
+        atexit.register(self.close)  # before multiprocessing's own handler ends them, which the watchdog would see
+        return Shard(0, size, self.ranks.init_method, config.device, before_join=self.ranks.wait_ready,
+                     on_peer_lost=self.ranks.peer_lost)
 
     def close(self) -> None:
         """Stop the replica's other ranks (rank 0), and leave its process group."""

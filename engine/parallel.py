@@ -13,8 +13,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -74,6 +74,8 @@ class Shard:
     init_method: str | None = None  # tcp://host:port of the rendezvous
     device: str = "cpu"
     before_join: Callable[[], None] | None = None  # what a rank does before it joins the group (the launcher's)
+    # What rank 0 does when a collective fails (the launcher's: name the rank that died); then it stops.
+    on_peer_lost: Callable[[str], None] | None = None
     group: object | None = None
     control: object | None = None
     # Seconds in each kind of collective on this rank (CPU: they are synchronous, so this is their cost).
@@ -149,7 +151,9 @@ class Shard:
         try:
             collective(*args, **kwargs)
         except RuntimeError as e:  # a peer is gone: its sockets closed mid-collective
+            error = str(e).splitlines()[0].split(". ")[0]
+            if self.on_peer_lost is not None:
+                self.on_peer_lost(error)
             who = "a tensor-parallel rank" if self.rank == 0 else "rank 0"
-            fail(f"tensor parallelism: {who} is gone ({type(e).__name__}: {str(e).splitlines()[0]}); "
-                 f"rank {self.rank} stops")
+            fail(f"tensor parallelism: {who} is gone ({error}): rank {self.rank} stops")
         self.comm_s[collective.__name__] += time.perf_counter() - start

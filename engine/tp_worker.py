@@ -133,11 +133,24 @@ class Ranks:
 
     def _watch(self) -> None:
         while not self.stopping:
-            for rank, proc in self.procs.items():
-                if not proc.is_alive() and not self.stopping:
-                    fail(f"tensor-parallel rank {rank} (pid {proc.pid}) died with exit status {proc.exitcode}: "
-                         f"this worker stops; its jobs' leases lapse and another worker resumes them")
+            self._stop_if_one_died()
             time.sleep(0.2)
+
+    def _stop_if_one_died(self) -> None:
+        for rank, proc in self.procs.items():
+            if not proc.is_alive() and not self.stopping:
+                fail(f"tensor-parallel rank {rank} (pid {proc.pid}) died with exit status {proc.exitcode}: "
+                     f"this worker stops; its jobs' leases lapse and another worker resumes them")
+
+    def peer_lost(self, error: str) -> None:
+        """A collective failed: say which rank of this host died (its exit is seen a moment after its sockets
+        close), or that one elsewhere did, and stop."""
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            self._stop_if_one_died()
+            time.sleep(0.05)
+        fail(f"tensor parallelism: a rank on another host is gone ({error}): this worker stops; its jobs' leases "
+             f"lapse and another worker resumes them")
 
     def stop(self, timeout: float = 10.0) -> None:
         """Wait for the ranks to exit (they were told to stop, or are stopping), then end those that did not."""
