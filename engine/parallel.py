@@ -106,6 +106,8 @@ class Shard:
         if self.before_join is not None:
             self.before_join()
         backend = "nccl" if self.device.startswith("cuda") else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(self.device)
         dist.init_process_group(backend, init_method=self.init_method, rank=self.rank, world_size=self.size,
                                 timeout=COLLECTIVE_TIMEOUT)
         self.group = dist.group.WORLD

@@ -14,6 +14,7 @@ others (their pipe to it closes, or their next collective fails).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -203,6 +204,14 @@ def pin(config: EngineConfig, rank: int) -> None:
             log.info("rank %d not pinned: %s", rank, e)
 
 
+def rank_device(config: EngineConfig, rank: int) -> str:
+    """A rank's device: on CUDA, its own GPU (the host's local ranks on consecutive GPUs from config.device's)."""
+    if not config.device.startswith("cuda"):
+        return config.device
+    first = int(config.device.partition(":")[2] or 0)
+    return f"cuda:{first + rank - local_ranks(config).start}"
+
+
 def _watch_parent(conn: Connection) -> None:
     """Exit once rank 0 is gone (its end of the pipe closes), even while this rank waits outside a collective."""
     try:
@@ -218,6 +227,7 @@ def rank_main(config: EngineConfig, folder: str, rank: int, init_method: str, co
     from engine.model_runner import ModelRunner
 
     logging.basicConfig(level=log_level, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    config = dataclasses.replace(config, device=rank_device(config, rank))
     pin(config, rank)
     shard = Shard(rank, config.tensor_parallel_size, init_method, config.device)
     if conn is not None:
