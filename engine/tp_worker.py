@@ -117,15 +117,15 @@ class Ranks:
                     except EOFError:
                         kind, detail = "error", "it exited"
                     if kind == "error":
-                        self.stop()
+                        self.stop(timeout=1.0)
                         raise ValueError(f"tensor-parallel rank {rank} could not start: {detail}")
                     del waiting[rank]
                 elif not self.procs[rank].is_alive():
                     code = self.procs[rank].exitcode
-                    self.stop()
+                    self.stop(timeout=1.0)
                     raise ValueError(f"tensor-parallel rank {rank} exited with status {code} while starting")
             if time.monotonic() > deadline:
-                self.stop()
+                self.stop(timeout=1.0)
                 raise ValueError(f"tensor-parallel ranks {sorted(waiting)} did not load in {START_TIMEOUT_S:.0f} s")
 
     def watch(self) -> None:

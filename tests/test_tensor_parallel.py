@@ -6,6 +6,9 @@ its rank 1 is killed, its jobs finished by another worker."""
 import os
 import re
 import signal
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -44,15 +47,24 @@ def run_scenarios(engine: LLMEngine, full: bool) -> tuple[list, list, int]:
     return mixed, prefixed, len(preempted)
 
 
-# The scenarios run on one model in full; the others check what their architecture adds to the sharding.
-@pytest.mark.parametrize("arch,kv_heads,full", [("llama", 2, True), ("llama", 1, False), ("mistral", 2, False),
-                                                ("qwen2", 2, False), ("qwen3", 2, False)])
-def test_two_ranks_greedy_equal_one_device(tiny_model, arch, kv_heads, full):
+# The scenarios run on one model in full; the others check what their architecture adds to the sharding. qwen2's
+# ranks run as two nodes on loopback: rank 1 is `pagedq worker --node-rank 1`, as on a second host.
+@pytest.mark.parametrize("arch,kv_heads,full,nodes", [("llama", 2, True, 1), ("llama", 1, False, 1),
+                                                      ("mistral", 2, False, 1), ("qwen2", 2, False, 2),
+                                                      ("qwen3", 2, False, 1)])
+def test_two_ranks_greedy_equal_one_device(tiny_model, arch, kv_heads, full, nodes):
     """llama is Llama 3 (llama3 rope scaling); kv_heads 1: fewer KV heads than ranks, replicated on both; qwen2:
     QKV biases, untied lm_head; qwen3: q/k norms."""
     path = tiny_model(arch, kv_heads=kv_heads)
+    parallel = {"tensor_parallel_size": 2}
+    node = None
+    if nodes == 2:
+        parallel.update(nnodes=2, dist_init_addr=f"127.0.0.1:{free_port()}")
+        node = subprocess.Popen([sys.executable, "-m", "cli", "worker", "--model", path, "--tensor-parallel-size", "2",
+                                 "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", parallel["dist_init_addr"],
+                                 *(f"--{k.replace('_', '-')}={v}" for k, v in CONFIG.items())])
     one = run_scenarios(LLMEngine(EngineConfig(model=path, **CONFIG)), full)
-    engine = LLMEngine(EngineConfig(model=path, tensor_parallel_size=2, **CONFIG))
+    engine = LLMEngine(EngineConfig(model=path, **parallel, **CONFIG))
     try:
         attn = engine.runner.model.model.layers[0].self_attn
         assert (attn.num_heads, attn.num_kv_heads) == (2, 1)  # this rank's share of 4 heads and 2 (or 1) KV heads
@@ -62,6 +74,14 @@ def test_two_ranks_greedy_equal_one_device(tiny_model, arch, kv_heads, full):
         engine.close()
     assert (one[2] > 0 and two[2] > 0) or not full  # both preempted
     assert two[:2] == one[:2]
+    if node is not None:
+        assert node.wait(timeout=30) == 0  # told to stop by rank 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_a_size_that_does_not_split_the_model_fails_before_starting(tiny_model):
