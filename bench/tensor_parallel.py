@@ -2,7 +2,7 @@
 
 Throughput on the chat and mixed workloads, the time per output token of steady decoding at batch 1 and 64, and
 the share of each step spent in collectives on rank 0 (all-reduces, the step message, the logits' gather), for
-tensor_parallel_size 1 and N. The model is a random-weight Llama with heads that split (SmolLM2-135M's 9 heads do
+tensor_parallel_size 1 and N (N with gloo's all-reduce and with the shared-memory one). The model is a random-weight Llama with heads that split (SmolLM2-135M's 9 heads do
 not split over 2 ranks), large enough that a step is the forward's work, not the host's.
 """
 
@@ -19,10 +19,10 @@ from bench.systems import run_engine
 # hidden 1024, 16 heads (4 KV), 8 layers, MLP 4096, SmolLM2's 49,152-token vocabulary (tied): 172M parameters.
 SHAPE = {"hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 16, "num_key_value_heads": 4,
          "num_hidden_layers": 8}
-WORKLOADS = {"chat": 8, "mixed": 8}  # requests of each (the full sets' shapes, fewer of them: a 2-core box)
+WORKLOADS = {"chat": 8, "mixed": 6}  # requests of each (the full sets' shapes, fewer of them: a 2-core box)
 QUICK_WORKLOADS = {"chat": 4, "mixed": 4}
 DECODE_BATCHES = (1, 64)
-DECODE_STEPS = 16
+DECODE_STEPS = 8
 
 
 def bench_model() -> str:
@@ -38,11 +38,15 @@ def run_tensor_parallel(size: int, dtype: str | None, quick: bool, out_dir: str,
 
     model = bench_model()
     results = {"cpu": cpu_name(), "model": SHAPE, "dtype": dtype or "float32", "runs": []}
-    for tp in (1, size):
+    from engine import model_runner
+
+    for tp, shm in ((1, False), (size, False), (size, True)):
+        model_runner.SHM_ALL_REDUCE = shm  # gloo's all-reduce, then the shared-memory one (engine.shm_all_reduce)
         engine = LLMEngine(EngineConfig(model=model, dtype=dtype, tensor_parallel_size=tp, max_num_seqs=64,
                                         max_model_len=1024, num_kv_blocks=64 * 1024 // 16))
         try:
-            run = {"tensor_parallel_size": tp, "threads_per_rank": _threads(engine)}
+            run = {"tensor_parallel_size": tp, "all_reduce": ("shared memory" if shm else "gloo") if tp > 1 else None,
+                   "threads_per_rank": _threads(engine)}
             for name, n in (QUICK_WORKLOADS if quick else WORKLOADS).items():
                 run[name] = _throughput(engine, name, n)
             for batch in DECODE_BATCHES:

@@ -76,11 +76,15 @@ class Shard:
     before_join: Callable[[], None] | None = None  # what a rank does before it joins the group (the launcher's)
     # What rank 0 does when a collective fails (the launcher's: name the rank that died); then it stops.
     on_peer_lost: Callable[[str], None] | None = None
+    # CPU ranks of one host: the largest tensor (bytes) reduced through shared memory (engine.shm_all_reduce)
+    # rather than gloo's sockets; 0: never.
+    shm_bytes: int = 0
     group: object | None = None
     control: object | None = None
     # Seconds in each kind of collective on this rank (CPU: they are synchronous, so this is their cost).
     comm_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     _joined: bool = field(default=False, repr=False)
+    shm: object | None = field(default=None, repr=False)
 
     @property
     def parallel(self) -> bool:
@@ -113,6 +117,25 @@ class Shard:
         self.group = dist.group.WORLD
         self.control = self.group if backend == "gloo" else dist.new_group(backend="gloo")
         self._joined = True
+        if self.shm_bytes:
+            self._map_shared_memory()
+
+    def _map_shared_memory(self) -> None:
+        """Rank 0 makes the file, every rank maps it, then rank 0 unlinks it (the mappings stay)."""
+        from engine.shm_all_reduce import ShmAllReduce
+
+        name = torch.zeros(256, dtype=torch.uint8)
+        if self.rank == 0:
+            path = ShmAllReduce.new_path()
+            self.shm = ShmAllReduce(path, 0, self.size, self.shm_bytes)
+            name[: len(path)] = torch.frombuffer(bytearray(path.encode()), dtype=torch.uint8)
+        self.broadcast(name)
+        if self.rank:
+            path = bytes(name[name > 0].tolist()).decode()
+            self.shm = ShmAllReduce(path, self.rank, self.size, self.shm_bytes)
+        dist.barrier(group=self.control)
+        if self.rank == 0:
+            os.unlink(path)
 
     def leave(self) -> None:
         if self._joined:
@@ -121,7 +144,11 @@ class Shard:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the ranks, in place: the end of a row-parallel layer."""
-        if self.parallel:
+        if self.shm is not None and self.shm.fits(x):
+            start = time.perf_counter()
+            self.shm.all_reduce(x)
+            self.comm_s["shm_all_reduce"] += time.perf_counter() - start
+        elif self.parallel:
             self._collective(dist.all_reduce, x, group=self.group)
         return x
 
