@@ -38,12 +38,9 @@ def run_tensor_parallel(size: int, dtype: str | None, quick: bool, out_dir: str,
 
     model = bench_model()
     results = {"cpu": cpu_name(), "model": SHAPE, "dtype": dtype or "float32", "runs": []}
-    from engine import model_runner
-
     for tp, shm in ((1, False), (size, False), (size, True)):
-        model_runner.SHM_ALL_REDUCE = shm  # gloo's all-reduce, then the shared-memory one (engine.shm_all_reduce)
         engine = LLMEngine(EngineConfig(model=model, dtype=dtype, tensor_parallel_size=tp, max_num_seqs=64,
-                                        max_model_len=1024, num_kv_blocks=64 * 1024 // 16))
+                                        max_model_len=1024, num_kv_blocks=64 * 1024 // 16, shm_all_reduce=shm))
         try:
             run = {"tensor_parallel_size": tp, "all_reduce": ("shared memory" if shm else "gloo") if tp > 1 else None,
                    "threads_per_rank": _threads(engine)}

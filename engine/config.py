@@ -56,6 +56,8 @@ class EngineConfig:
     dist_init_addr: str | None = None
     node_rank: int = 0
     nnodes: int = 1
+    # CPU ranks of one host: all-reduces through shared memory (engine.shm_all_reduce) rather than gloo's sockets.
+    shm_all_reduce: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype is None:

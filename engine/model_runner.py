@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 
 import numpy as np
 import torch
@@ -29,7 +28,6 @@ log = logging.getLogger("pagedq.engine")
 
 # CPU tensor parallelism on one host: all-reduces through shared memory (engine.shm_all_reduce), not gloo's
 # sockets, for tensors up to this size (larger ones are prefill chunks, where gloo's bandwidth serves).
-SHM_ALL_REDUCE = os.environ.get("PAGEDQ_SHM_ALL_REDUCE", "1") != "0"
 SHM_MAX_BYTES = 16 << 20
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -92,7 +90,7 @@ class ModelRunner:
         self.logits_buffer = None
         if isinstance(self.model.lm_head, PanelLinear) and not self.shard.parallel:
             self.logits_buffer = torch.empty(config.max_num_seqs, hf_config.vocab_size, dtype=self.dtype)
-        if self.device.type == "cpu" and config.nnodes == 1 and SHM_ALL_REDUCE:
+        if self.device.type == "cpu" and config.nnodes == 1 and config.shm_all_reduce:
             # Every all-reduce of a decode step, and of prefill chunks up to the cap, through shared memory.
             self.shard.shm_bytes = min(config.max_num_batched_tokens * hf_config.hidden_size * self.dtype.itemsize,
                                        SHM_MAX_BYTES)
