@@ -68,6 +68,18 @@ class ModelRunner:
         self.ranks = None  # rank 0's handle on the other ranks of its host (engine.tp_worker.Ranks)
         self._threads = torch.get_num_threads()
         self.shard = shard or self._start_replica(folder)
+        try:
+            self._build(folder)
+        except BaseException:
+            if self.ranks is not None:  # the other ranks wait for this one: end them with it
+                self.ranks.stop(timeout=0)
+            raise
+        if self.ranks is not None:
+            self.ranks.watch()
+
+    def _build(self, folder) -> None:
+        """This rank's shard of the model, loaded, and its KV cache (sized alike on every rank)."""
+        config, hf_config = self.config, self.hf_config
         self.backend = get_backend(config.attention_backend, config.device,
                                    build.default_root(cache_root(config.cache_dir)))
         torch.set_default_dtype(self.dtype)
@@ -112,8 +124,6 @@ class ModelRunner:
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.graph_safe:
             self.use_padded_decode(capture=True)
-        if self.ranks is not None:
-            self.ranks.watch()
 
     def _start_replica(self, folder) -> Shard:
         """Rank 0's shard, and with tensor parallelism the other ranks of this host, loading theirs meanwhile. A

@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
+import signal
 import socket
 import sys
 import threading
@@ -227,6 +228,10 @@ def rank_main(config: EngineConfig, folder: str, rank: int, init_method: str, co
     from engine.model_runner import ModelRunner
 
     logging.basicConfig(level=log_level, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    # Ctrl-C in a terminal, or a SIGTERM to the process group, is for rank 0, which drains and then stops the rank;
+    # a rank ending on its own would look like a crash to it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     config = dataclasses.replace(config, device=rank_device(config, rank))
     pin(config, rank)
     shard = Shard(rank, config.tensor_parallel_size, init_method, config.device)
