@@ -19,7 +19,7 @@ from bench.systems import run_engine
 # hidden 1024, 16 heads (4 KV), 8 layers, MLP 4096, SmolLM2's 49,152-token vocabulary (tied): 172M parameters.
 SHAPE = {"hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 16, "num_key_value_heads": 4,
          "num_hidden_layers": 8}
-WORKLOADS = {"chat": 8, "mixed": 6}  # requests of each (the full sets' shapes, fewer of them: a 2-core box)
+WORKLOADS = {"chat": 6, "mixed": 4}  # requests of each (the full sets' shapes, fewer of them: a 2-core box)
 QUICK_WORKLOADS = {"chat": 4, "mixed": 4}
 DECODE_BATCHES = (1, 64)
 DECODE_STEPS = 8
