@@ -69,6 +69,9 @@ def _requests(ctx, param, value: tuple[str, ...]) -> dict[str, int]:
               help="Tokens in one engine step; default: the engine's for the device")
 @click.option("--rate", type=float, default=None,
               help="Online arrivals per second; default: 90% of the capacity measured in the same run")
+@click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=1,
+              help="Above 1: the engine alone, one replica over this many ranks beside one device, on a random model "
+                   "whose heads split (chat, mixed, decode at batch 1 and 64; bench.tensor_parallel)")
 @click.option("--seed", type=int, default=0, help="Seed of the workloads and sampling")
 @click.option("--out-dir", default="bench/results", help="Where bench.json and the PNG charts go")
 @click.option("--no-progress", is_flag=True, help="No progress bars")
@@ -82,14 +85,19 @@ def _requests(ctx, param, value: tuple[str, ...]) -> dict[str, int]:
 @click.option("--quantization", default="auto", type=click.Choice(["auto", "none", "int8"]),
               help="The engine's: auto keeps a GGUF's blocks quantized (CPU), none dequantizes, int8 makes int8")
 def bench(model, device, dtype, workloads, systems, quick, num_requests, hf_single_requests, max_num_seqs,
-          max_num_batched_tokens, rate, seed, out_dir, no_progress, no_charts, vllm_python, llamacpp_server,
-          quantization) -> None:
+          max_num_batched_tokens, rate, tensor_parallel_size, seed, out_dir, no_progress, no_charts,
+          vllm_python, llamacpp_server, quantization) -> None:
     """Measure pagedq against transformers on one model and workload set; print ratios vs targets."""
     from bench.run import run_bench
 
     # SIGTERM unwinds like Ctrl-C, so that the worker subprocess and redis-server are stopped on the way out.
     old = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
+        if tensor_parallel_size > 1:  # a run of its own: its model is one whose heads split
+            from bench.tensor_parallel import run_tensor_parallel
+
+            run_tensor_parallel(tensor_parallel_size, dtype, quick, out_dir, echo=click.echo)
+            return
         if "overhead" in workloads:  # its own micro model and steady states: a run of its own
             from bench.overhead import run_overhead
 

@@ -14,9 +14,11 @@ from engine.loader import resolve_model
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def make_tiny_model(path: str, arch: str = "llama", seed: int = 0, tie: bool | None = None, layers: int = 2) -> str:
+def make_tiny_model(path: str, arch: str = "llama", seed: int = 0, tie: bool | None = None, layers: int = 2,
+                    kv_heads: int = 2, shape: dict | None = None) -> str:
     """Write a small random-weight model of `arch` with SmolLM2's tokenizer to `path` (hidden size 64): for
-    fast tests, and for benchmarks of what the host does around a forward that costs next to nothing."""
+    fast tests, and for benchmarks of what the host does around a forward that costs next to nothing. shape: config
+    fields that override the tiny ones (a larger random model, for benchmarks of the forward itself)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -32,14 +34,13 @@ def make_tiny_model(path: str, arch: str = "llama", seed: int = 0, tie: bool | N
                    "mistral": {"sliding_window": None},
                    "qwen2": {},
                    "qwen3": {"head_dim": 32}}[arch]
-    config = AutoConfig.for_model(
-        arch,
+    fields = dict(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=layers,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=2048,
         rope_theta=10000.0,
         tie_word_embeddings=(arch in ("llama", "qwen3")) if tie is None else tie,
@@ -49,6 +50,7 @@ def make_tiny_model(path: str, arch: str = "llama", seed: int = 0, tie: bool | N
         initializer_range=0.1,
         **extra,
     )
+    config = AutoConfig.for_model(arch, **{**fields, **(shape or {})})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tiny-"))

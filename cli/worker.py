@@ -49,6 +49,20 @@ LIMIT_OPTIONS = {"max_prompt_chars": "max_prompt_chars", "max_tokens_limit": "ma
 @click.option("--overlap-steps/--no-overlap-steps", envvar="PAGEDQ_OVERLAP_STEPS",
               default=default_of(EngineConfig, "overlap_steps"),
               help="Schedule each step while the one before runs on the device; default: on for cuda, off for cpu")
+@click.option("--tensor-parallel-size", envvar="PAGEDQ_TENSOR_PARALLEL_SIZE", type=click.IntRange(min=1),
+              default=default_of(EngineConfig, "tensor_parallel_size"), show_default=True,
+              help="Ranks one model replica is split over (tensor parallelism); this worker is rank 0 and starts "
+                   "the others of its host")
+@click.option("--cpu-threads-per-rank", envvar="PAGEDQ_CPU_THREADS_PER_RANK", type=click.IntRange(min=1),
+              default=default_of(EngineConfig, "cpu_threads_per_rank"),
+              help="CPU: threads of each rank; default: the host's cores shared evenly by its ranks")
+@click.option("--dist-init-addr", envvar="PAGEDQ_DIST_INIT_ADDR", default=default_of(EngineConfig, "dist_init_addr"),
+              help="Ranks on several hosts: host:port where node 0 (rank 0) meets the others")
+@click.option("--nnodes", envvar="PAGEDQ_NNODES", type=click.IntRange(min=1), default=default_of(EngineConfig, "nnodes"),
+              show_default=True, help="Hosts the ranks span (each runs tensor-parallel-size / nnodes ranks)")
+@click.option("--node-rank", envvar="PAGEDQ_NODE_RANK", type=click.IntRange(min=0),
+              default=default_of(EngineConfig, "node_rank"), show_default=True,
+              help="This host's index; above 0 it runs only its ranks, for the worker on node 0")
 @click.option("--served-model-name", envvar="PAGEDQ_SERVED_MODEL_NAME", multiple=True,
               help="Names a job's `model` may use (repeatable); default: --model")
 @click.option("--result-ttl", envvar="PAGEDQ_RESULT_TTL", type=int, default=default_of(WorkerConfig, "result_ttl"),
@@ -89,6 +103,8 @@ LIMIT_OPTIONS = {"max_prompt_chars": "max_prompt_chars", "max_tokens_limit": "ma
 def worker(log_level: str, **options: Any) -> None:
     """Run one worker: pull jobs from QUEUE into the engine, stream tokens and results back."""
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
+    if options["node_rank"] > 0:  # ranks for a replica whose worker (rank 0) runs on node 0: no queue here
+        _serve_node(engine_config(options))
     check_redis(options["redis_url"])  # before the model: loading it takes a while, and Redis is the likelier problem
     import redis as redis_lib
 
@@ -114,6 +130,17 @@ def worker(log_level: str, **options: Any) -> None:
     except (redis_lib.AuthenticationError, redis_lib.exceptions.NoPermissionError) as e:
         # A credentials problem is the operator's to fix: say so plainly, without a traceback or the password.
         raise click.ClickException(f"redis at {redact(cfg.redis_url)} refused this worker: {e}") from None
+
+
+def _serve_node(config: EngineConfig) -> None:
+    from engine.loader import resolve_model
+    from engine.tp_worker import serve_node
+
+    try:
+        folder = resolve_model(config.model, config.cache_dir)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    raise SystemExit(serve_node(config, str(folder)))
 
 
 def engine_config(options: dict[str, Any]) -> EngineConfig:

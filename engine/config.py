@@ -50,6 +50,18 @@ class EngineConfig:
     overlap_steps: bool | None = None
     cache_dir: str | None = None
     seed: int = 0
+    # Tensor parallelism (engine.parallel): one replica of the model over this many ranks, each holding a slice of
+    # its heads, MLP features and vocabulary. Rank 0 is this engine; it starts the others of its host.
+    tensor_parallel_size: int = 1
+    # CPU: intra-op threads of each rank. None: the cores of the host shared evenly by its ranks.
+    cpu_threads_per_rank: int | None = None
+    # Ranks on several hosts: host:port of rank 0's rendezvous (torch.distributed's TCP store), this host's index,
+    # and the number of hosts (each runs tensor_parallel_size / nnodes ranks).
+    dist_init_addr: str | None = None
+    node_rank: int = 0
+    nnodes: int = 1
+    # CPU ranks of one host: all-reduces through shared memory (engine.shm_all_reduce) rather than gloo's sockets.
+    shm_all_reduce: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype is None:
@@ -74,6 +86,25 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1 or None, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        size = self.tensor_parallel_size
+        if size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+        if self.nnodes < 1 or size % self.nnodes:
+            raise ValueError(f"nnodes must be >= 1 and divide tensor_parallel_size {size}, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("ranks on several hosts need dist_init_addr (host:port of node 0's rendezvous)")
+        if self.cpu_threads_per_rank is not None and self.cpu_threads_per_rank < 1:
+            raise ValueError(f"cpu_threads_per_rank must be >= 1, got {self.cpu_threads_per_rank}")
+        if size > 1:
+            # The other ranks take a step's input ids from its message, not from the device: no overlap yet.
+            if self.overlap_steps:
+                raise ValueError("overlap_steps is not supported with tensor_parallel_size > 1")
+            self.overlap_steps = False
 
 
 def cpu_has_bf16() -> bool:

@@ -116,6 +116,10 @@ class LLMEngine:
         gc.freeze()
         atexit.register(gc.unfreeze)  # at exit everything must be collectable again (native bindings check)
 
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel replica (nothing to do on one device)."""
+        self.runner.close()
+
     def _eos_ids(self, folder, GenerationConfig) -> set[int]:
         ids = None
         with contextlib.suppress(OSError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 
 import numpy as np
@@ -15,6 +16,7 @@ from engine.decode_buffers import DecodeBuffers
 from engine.loader import cache_root, gguf_source
 from engine.models.llama import SUPPORTED_ARCHS, AttnContext, LlamaForCausalLM
 from engine.packed_linear import PanelLinear, pack_linears
+from engine.parallel import Shard, split_heads
 from engine.quantized_linear import quantize, summary
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import SchedulerOutput
@@ -25,6 +27,9 @@ from kernels import build, get_backend
 
 log = logging.getLogger("pagedq.engine")
 
+# CPU tensor parallelism on one host: all-reduces through shared memory (engine.shm_all_reduce), not gloo's
+# sockets, for tensors up to this size (larger ones are prefill chunks, where gloo's bandwidth serves).
+SHM_MAX_BYTES = 16 << 20
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -40,7 +45,9 @@ def _available_memory() -> int:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, folder) -> None:
+    def __init__(self, config: EngineConfig, folder, shard: Shard | None = None) -> None:
+        """shard: this rank's place in a tensor-parallel replica (the ranks engine.tp_worker starts); None: rank 0,
+        which starts the replica's other ranks on this host when config.tensor_parallel_size > 1."""
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
@@ -59,12 +66,27 @@ class ModelRunner:
         if config.max_model_len is not None and config.max_model_len > model_max:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit of {model_max} tokens")
         self.max_model_len = config.max_model_len or model_max
+        self.ranks = None  # rank 0's handle on the other ranks of its host (engine.tp_worker.Ranks)
+        self._threads = torch.get_num_threads()
+        self.shard = shard or self._start_replica(folder)
+        try:
+            self._build(folder)
+        except BaseException:
+            if self.ranks is not None:  # the other ranks wait for this one: end them with it
+                self.ranks.stop(timeout=0)
+            raise
+        if self.ranks is not None:
+            self.ranks.watch()
+
+    def _build(self, folder) -> None:
+        """This rank's shard of the model, loaded, and its KV cache (sized alike on every rank)."""
+        config, hf_config = self.config, self.hf_config
         self.backend = get_backend(config.attention_backend, config.device,
                                    build.default_root(cache_root(config.cache_dir)))
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = LlamaForCausalLM(hf_config, self.max_model_len)
+                self.model = LlamaForCausalLM(hf_config, self.max_model_len, self.shard)
         finally:
             torch.set_default_dtype(torch.float32)
         self.model.load_weights(folder)
@@ -74,7 +96,13 @@ class ModelRunner:
         if self.backend.layers is not None:
             self.model.use_fast_layers(self.backend.layers)
         self.quantized = []  # engine.quantized_linear.LayerReport per linear layer, where any is quantized
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and self.shard.parallel:
+            # A GGUF's blocks are laid out for whole rows; the ranks load slices of its float conversion instead.
+            if config.quantization == "int8":
+                raise ValueError("quantization int8 does not combine with tensor parallelism yet: give one or the other")
+            if config.quantization == "auto" and gguf_source(config.model) is not None:
+                log.info("tensor parallelism: the GGUF's weights are dequantized (quantized shards are not there yet)")
+        elif self.device.type == "cpu":
             self.quantized = quantize(self.model, config.quantization, gguf_source(config.model), self.backend)
             if self.quantized:
                 log.info("weights kept quantized: %s", summary(self.quantized))
@@ -84,9 +112,15 @@ class ModelRunner:
         # The step's logits, written into one buffer (rows of the first max_num_seqs) where the logits layer takes
         # one: allocated afresh, a [rows, vocab] tensor of tens or hundreds of MB is mapped and unmapped every step.
         self.logits_buffer = None
-        if isinstance(self.model.lm_head, PanelLinear):
+        if isinstance(self.model.lm_head, PanelLinear) and not self.shard.parallel:
             self.logits_buffer = torch.empty(config.max_num_seqs, hf_config.vocab_size, dtype=self.dtype)
-        self.num_blocks = self._size_cache()
+        if self.device.type == "cpu" and config.nnodes == 1 and config.shm_all_reduce:
+            # Every all-reduce of a decode step, and of prefill chunks up to the cap, through shared memory.
+            self.shard.shm_bytes = min(config.max_num_batched_tokens * hf_config.hidden_size * self.dtype.itemsize,
+                                       SHM_MAX_BYTES)
+        self.shard.join()  # every rank has loaded its shard (rank 0 waits for them in Ranks.wait_ready)
+        # The same block count on every rank: block tables index all their caches.
+        self.num_blocks = self.shard.all_reduce_min(self._size_cache())
         self.max_model_len = min(self.max_model_len, self.num_blocks * config.block_size)
         self._allocate_cache()
         if self.device.type == "cpu" and self.model.use_decoder(self.backend):
@@ -102,6 +136,37 @@ class ModelRunner:
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.graph_safe:
             self.use_padded_decode(capture=True)
+
+    def _start_replica(self, folder) -> Shard:
+        """Rank 0's shard, and with tensor parallelism the other ranks of this host, loading theirs meanwhile. A
+        size that does not split the model fails here, before any rank starts."""
+        config, hf = self.config, self.hf_config
+        size = config.tensor_parallel_size
+        if size == 1:
+            return Shard()
+        heads = hf.num_attention_heads
+        split_heads(heads, getattr(hf, "num_key_value_heads", None) or heads, size, 0)
+        Shard(0, size).span(hf.intermediate_size, "intermediate (MLP) features")
+        from engine.tp_worker import Ranks, cpu_threads, local_ranks
+
+        if self.device.type == "cpu":
+            torch.set_num_threads(cpu_threads(config))
+        self.ranks = Ranks(config, folder, local_ranks(config)[1:])
+        atexit.register(self.close)  # before multiprocessing's own handler ends them, which the watchdog would see
+        return Shard(0, size, self.ranks.init_method, config.device, before_join=self.ranks.wait_ready,
+                     on_peer_lost=self.ranks.peer_lost)
+
+    def close(self) -> None:
+        """Stop the replica's other ranks (rank 0), and leave its process group."""
+        if self.ranks is None:
+            return
+        from engine.tp_worker import send_stop
+
+        send_stop(self.shard)
+        self.ranks.stop()
+        self.ranks = None
+        self.shard.leave()
+        torch.set_num_threads(self._threads)
 
     def use_padded_decode(self, capture: bool) -> None:
         """Run decode-only steps through padded static buffers; capture: also as CUDA graphs (CUDA only).
@@ -172,12 +237,37 @@ class ModelRunner:
         inputs = step_inputs.build(batch, self.tables.array, self.config.block_size, self._steady_after(batch),
                                    feed is not None and feed.every_row)
         self._last_seqs, self._last_inputs = batch.seqs, inputs
+        if self.shard.parallel:  # the other ranks run the same forward on their shards
+            from engine.tp_worker import send_step
+
+            send_step(self.shard, inputs, copies)
+        hidden = self._forward(inputs, copies, feed)
+        if not len(inputs.sample_rows):
+            return torch.empty(0, dtype=torch.long, device=self.device), torch.empty(0), []
+        logits = self._logits(self._sampled(hidden, inputs))
+        if sample_from is not None:
+            logits = logits[self.staging.to_device("sample_from", sample_from)]
+        tokens, logprobs, candidates = sample(logits, sampling, self.backend.argmax, self.staging)
+        del logits, hidden  # freed here, in the phase that made them (a batch's logits can be hundreds of MB)
+        self.times.lap("sample")
+        return tokens, logprobs, candidates
+
+    @torch.inference_mode()
+    def follow(self, inputs: StepInputs, copies: list[tuple[int, int]]) -> None:
+        """A rank other than 0: run the step rank 0 sent, and send it this shard's logits of the sampled rows."""
+        hidden = self._forward(inputs, copies, None)
+        if len(inputs.sample_rows):
+            self._logits(self._sampled(hidden, inputs))
+
+    def _forward(self, inputs: StepInputs, copies: list[tuple[int, int]] | None, feed: Feed | None
+                 ) -> torch.Tensor:
+        """The hidden states of the step's tokens (of a padded batch, its first rows)."""
         self.staging.next_step()
         if copies:
             pairs = np.array(copies, dtype=np.int64).T.copy()
             self.backend.copy_blocks(self.kv_cache, self.staging.to_device("copies", pairs))
         buffers = self.decode_buffers
-        padded = buffers is not None and inputs.decode_only and len(batch.seqs) <= buffers.max_size
+        padded = buffers is not None and inputs.decode_only and len(inputs.seq_lens) <= buffers.max_size
         if padded:
             size = buffers.load(inputs, self.staging)
             input_ids = buffers.input_ids
@@ -195,23 +285,20 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, positions, ctx)
         self.times.lap("forward")
-        if not len(inputs.sample_rows):
-            return torch.empty(0, dtype=torch.long, device=self.device), torch.empty(0), []
-        # Logits only where a token is sampled, never for the rest of a prompt. Decoding, every row samples: the
-        # first rows (of a padded batch) are the ones, with no index to copy.
-        if inputs.decode_only:
-            sampled = hidden[: len(batch.seqs)]
-        else:
-            sampled = hidden[self.staging.to_device("sample_rows", inputs.sample_rows)]
-        logits = self._logits(sampled)
-        if sample_from is not None:
-            logits = logits[self.staging.to_device("sample_from", sample_from)]
-        tokens, logprobs, candidates = sample(logits, sampling, self.backend.argmax, self.staging)
-        del logits, hidden  # freed here, in the phase that made them (a batch's logits can be hundreds of MB)
-        self.times.lap("sample")
-        return tokens, logprobs, candidates
+        return hidden
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _sampled(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+        """Logits only where a token is sampled, never for the rest of a prompt. Decoding, every row samples: the
+        first rows (of a padded batch) are the ones, with no index to copy."""
+        if inputs.decode_only:
+            return hidden[: len(inputs.seq_lens)]
+        return hidden[self.staging.to_device("sample_rows", inputs.sample_rows)]
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The logits of these rows; a tensor-parallel rank computes its vocabulary slice and rank 0 gathers them
+        (None on the others)."""
+        if self.shard.parallel:
+            return self.shard.gather_logits(self.model.logits(hidden), self.hf_config.vocab_size)
         rows = hidden.shape[0]
         if self.logits_buffer is None or rows > self.logits_buffer.shape[0]:
             return self.model.logits(hidden)

@@ -14,9 +14,11 @@ from bench.random_model import TINY_ARCHS, make_tiny_model  # noqa: E402
 from engine.loader import cache_root  # noqa: E402
 
 
-def cached_tiny_model(arch: str = "llama", seed: int = 0) -> str:
-    """A tiny model of `arch`, built once into the model cache and reused by every later test run."""
-    return make_tiny_model(str(cache_root() / f"tiny-{arch}-{seed}-v1"), arch, seed)
+def cached_tiny_model(arch: str = "llama", seed: int = 0, kv_heads: int = 2) -> str:
+    """A tiny model of `arch` (4 attention heads, `kv_heads` KV heads), built once into the model cache and reused
+    by every later test run."""
+    kv = "" if kv_heads == 2 else f"-kv{kv_heads}"
+    return make_tiny_model(str(cache_root() / f"tiny-{arch}{kv}-{seed}-v1"), arch, seed, kv_heads=kv_heads)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from engine.packed_linear import PanelLinear
+from engine.parallel import Shard, split_heads
 from kernels import Backend, torch_ops
 
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -99,11 +100,17 @@ Rotary = Callable[[torch.Tensor], torch.Tensor]  # x [T, H, D] -> x rotated at e
 
 
 class Attention(nn.Module):
-    def __init__(self, config, arch: str) -> None:
+    """Self-attention over this rank's heads (all of them on one device): QKV column-parallel, o_proj row-parallel
+    with one all-reduce."""
+
+    def __init__(self, config, arch: str, shard: Shard) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.heads = split_heads(total_heads, total_kv_heads, shard.size, shard.rank)
+        self.num_heads, self.num_kv_heads = self.heads.q_count, self.heads.kv_count
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        self.shard = shard
         bias = arch == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False))
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -128,14 +135,19 @@ class Attention(nn.Module):
         q, k = rotary(q), rotary(k)
         ctx.backend.store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         o = ctx.attend(q, self.k_cache, self.v_cache, self.scale)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return self.shard.all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, config) -> None:
+    """SwiGLU over this rank's intermediate features: gate/up column-parallel, down row-parallel with one
+    all-reduce."""
+
+    def __init__(self, config, shard: Shard) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.inter = config.intermediate_size
+        self.span = shard.span(config.intermediate_size, "intermediate (MLP) features")
+        self.inter = self.span.stop - self.span.start
+        self.shard = shard
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=bias)
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=bias)
         act = getattr(config, "hidden_act", "silu")
@@ -145,18 +157,36 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if getattr(self.gate_up_proj, "activates", False):  # packed with SiLU-and-multiply fused in
-            return self.down_proj(self.gate_up_proj(x))
+            return self.shard.all_reduce(self.down_proj(self.gate_up_proj(x)))
         act = (self.fast or torch_ops).silu_and_mul(self.gate_up_proj(x))
-        return self.down_proj(act)
+        return self.shard.all_reduce(self.down_proj(act))
+
+
+class VocabEmbedding(nn.Embedding):
+    """The embedding rows of this rank's slice of the vocabulary [start, start + rows): a token outside it looks
+    up zeros, and the all-reduce sums in the one rank that holds it."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, shard: Shard) -> None:
+        self.start, rows = shard.vocab_span(vocab_size)
+        super().__init__(rows, hidden_size)
+        self.shard = shard
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.shard.parallel:
+            return super().forward(ids)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        h = super().forward(local.masked_fill(outside, 0))
+        return self.shard.all_reduce(h.masked_fill(outside[:, None], 0))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, arch: str) -> None:
+    def __init__(self, config, arch: str, shard: Shard) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, arch)
+        self.self_attn = Attention(config, arch, shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, shard)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rotary: Rotary, ctx: AttnContext
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,10 +201,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, arch: str) -> None:
+    def __init__(self, config, arch: str, shard: Shard) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, arch) for _ in range(config.num_hidden_layers))
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, shard)
+        self.layers = nn.ModuleList(DecoderLayer(config, arch, shard) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -183,15 +213,19 @@ class LlamaForCausalLM(nn.Module):
     FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, config, max_positions: int) -> None:
+    def __init__(self, config, max_positions: int, shard: Shard | None = None) -> None:
+        """shard: the slice of a tensor-parallel replica this rank holds; None: the whole model."""
         super().__init__()
         arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
         if arch not in SUPPORTED_ARCHS:
             raise ValueError(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)}")
         self.config = config
-        self.model = LlamaModel(config, arch)
+        self.shard = shard = shard or Shard()
+        self.model = LlamaModel(config, arch, shard)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Vocab-parallel: this rank's rows of the logits (ModelRunner gathers them on rank 0).
+        self.lm_head = nn.Linear(config.hidden_size, self.model.embed_tokens.num_embeddings, bias=False)
+        self.bytes_read = 0  # weight bytes load_weights read: a rank reads its slices only
         if self.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
         attn = self.model.layers[0].self_attn
@@ -237,7 +271,9 @@ class LlamaForCausalLM(nn.Module):
         """Run the decoder stack as one call a step on the backend's kernels (kernels.cpu_ops.Decoder), where it has
         them: its fast layers in use, every linear on its weight panels, and attention kernels for these heads. Its
         outputs equal the layer-by-layer path's: the same ops in the same order. Call once the KV cache is in place.
-        -> whether it is used."""
+        -> whether it is used. Not under tensor parallelism: its layers end in all-reduces, between C++ calls."""
+        if self.shard.parallel:
+            return False
         attn = self.model.layers[0].self_attn
         linears = [m for layer in self.model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                                layer.mlp.gate_up_proj, layer.mlp.down_proj)]
@@ -268,6 +304,8 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def load_weights(self, folder: Path) -> None:
+        """Read this rank's slice of every weight: safetensors' get_slice reads only those bytes from the file, so a
+        rank's memory holds its shard, never the whole model."""
         from safetensors import safe_open
 
         params = dict(self.named_parameters(remove_duplicate=False))
@@ -282,16 +320,18 @@ class LlamaForCausalLM(nn.Module):
                         continue
                     if name == "lm_head.weight" and self.tied:
                         continue
-                    tensor = f.get_tensor(name)
                     target, shard = self._target(name)
                     if target not in params:
                         raise ValueError(f"unexpected weight {name!r} in {file.name}")
                     param = params[target]
+                    tensor = self._read_slice(f.get_slice(name), name)
                     with torch.no_grad():
-                        if shard is None:
-                            param.copy_(tensor)
-                        else:
-                            param[self._shard_slice(target, shard)].copy_(tensor)
+                        dest = param if shard is None else param[self._shard_slice(target, shard)]
+                        if tensor is None or tensor.shape != dest.shape:  # none here, or the vocab's padding rows
+                            dest.zero_()
+                        if tensor is not None:
+                            dest[: tensor.shape[0]].copy_(tensor)
+                            self.bytes_read += tensor.numel() * tensor.element_size()
                     loaded.add(f"{target}#{shard}")
         expected = {f"{n}#{s}" for n in params for s in self._shards_of(n)}
         if self.tied:
@@ -299,6 +339,31 @@ class LlamaForCausalLM(nn.Module):
         missing = expected - loaded
         if missing:
             raise ValueError(f"weights missing from {folder}: {sorted(missing)[:5]}")
+
+    def _read_slice(self, weight, name: str) -> torch.Tensor | None:
+        """This rank's part of checkpoint tensor `name` (a safetensors slice): rows of a column-parallel weight,
+        columns of a row-parallel one; a row-parallel bias on rank 0 only (None elsewhere: added once)."""
+        shard = self.shard
+        if not shard.parallel:
+            return weight[:]
+        module, is_bias = name.split(".")[-2], name.endswith(".bias")
+        attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
+        dim, heads = attn.head_dim, attn.heads
+        q_part = slice(heads.q_start * dim, (heads.q_start + heads.q_count) * dim)
+        if module == "q_proj":
+            return weight[q_part]
+        if module in ("k_proj", "v_proj"):
+            return weight[heads.kv_start * dim: (heads.kv_start + heads.kv_count) * dim]
+        if module in ("gate_proj", "up_proj"):
+            return weight[mlp.span]
+        if module in ("embed_tokens", "lm_head"):
+            start, rows = shard.vocab_span(self.config.vocab_size)
+            return weight[start: min(start + rows, self.config.vocab_size)]
+        if module in ("o_proj", "down_proj"):
+            if is_bias:
+                return weight[:] if shard.rank == 0 else None
+            return weight[:, q_part if module == "o_proj" else mlp.span]
+        return weight[:]  # norms: every rank holds them whole
 
     def _target(self, name: str) -> tuple[str, int | None]:
         parts = name.split(".")
