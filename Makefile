@@ -30,8 +30,12 @@ setup: $(if $(filter .venv/bin/python,$(PY)),.venv/bin/python)
 demo: setup
 	$(PY) -m cli demo
 
+# Two pytest processes (pytest-xdist): most tests wait on worker subprocesses and Redis, so one process leaves a
+# 2-core CI machine half idle. worksteal: an idle process takes queued tests from the other, so one slow test near
+# the end does not leave a core idle. TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
 test:
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 
 lint:
 	$(PY) -m ruff check .

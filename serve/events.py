@@ -103,7 +103,8 @@ class _Followed:
         self.subs: set[Subscription] = set()
 
 
-Connect = Callable[[], Awaitable[AbstractConnection]]
+# connect(relearn) -> a new connection; relearn: after an error, when the slot may have moved.
+Connect = Callable[[bool], Awaitable[AbstractConnection]]
 
 
 class Reader:
@@ -121,6 +122,7 @@ class Reader:
         self._conn: AbstractConnection | None = None
         self._waker: AbstractConnection | None = None
         self._client_id: int | None = None
+        self._relearn = False  # the next open follows an error
         self._wanted = asyncio.Event()  # set whenever a stream was added
         self._reading = False  # an XREAD is out
         self._round = 0
@@ -196,8 +198,9 @@ class Reader:
     # ---- the read loop -----------------------------------------------------------------------------------------
 
     async def _open(self) -> None:
-        conn = await self._connect()
-        waker = await self._connect()
+        conn = await self._connect(self._relearn)
+        waker = await self._connect(False)  # the map, relearned or not, is the conn's
+        self._relearn = False
         try:
             await conn.send_command("CLIENT", "ID")
             self._client_id = int(await conn.read_response())
@@ -249,6 +252,7 @@ class Reader:
                 raise
             except (redis_lib.RedisError, OSError) as e:
                 await self._drop()
+                self._relearn = True
                 now = time.monotonic()
                 down_since = down_since or now
                 if now - down_since >= self.grace_s:
@@ -261,6 +265,7 @@ class Reader:
             except Exception as e:  # never let the reader die with requests waiting on it
                 log.exception("reader %s failed", self.name)
                 await self._drop()
+                self._relearn = True
                 self._fail_all(e)
 
     def _deliver(self, reply: Any) -> None:
@@ -320,17 +325,20 @@ class EventReaders:
         kw["client_name"] = READER_NAME
         return kw
 
-    async def _connect_plain(self) -> AbstractConnection:
+    async def _connect_plain(self, relearn: bool) -> AbstractConnection:
         pool = self.redis.connection_pool
         conn = pool.connection_class(**self._settings(pool.connection_kwargs))
         await conn.connect()
         return conn
 
     def _connect_slot(self, slot: int) -> Connect:
-        async def connect() -> AbstractConnection:
-            # After an error the slot may have moved: learn the map again before connecting.
+        async def connect(relearn: bool) -> AbstractConnection:
+            # After an error the slot may have moved: learn the map again before connecting. Only then: relearning
+            # marks every connection of the shared client for reconnect, and requests in flight on them failed
+            # ("Connection closed by server") when each new reader relearned it on its first connect under load.
             async with self._slot_map:
-                await self.redis.nodes_manager.initialize()
+                if relearn or not self.redis.nodes_manager.slots_cache:
+                    await self.redis.nodes_manager.initialize()
                 node = self.redis.nodes_manager.get_node_from_slot(slot)
             conn = node.connection_class(**self._settings(node.connection_kwargs))
             await conn.connect()

@@ -252,8 +252,10 @@ class SentinelSet:
             self.link.release()
         return srv
 
-    def wait_promoted(self, old: RedisServer, timeout: float = 30.0) -> RedisServer:
-        """The server Sentinel promoted in place of `old`, once every Sentinel names it and it acts as primary."""
+    def wait_promoted(self, old: RedisServer, timeout: float = 90.0) -> RedisServer:
+        """The server Sentinel promoted in place of `old`, once every Sentinel names it and it acts as primary.
+        90 s: a Sentinel starved of CPU for 2 s (a busy 2-core machine, the suite on 2 processes) enters TILT mode
+        and acts on nothing for 30 s; the failover follows once it leaves."""
         def promoted() -> int | None:
             ports = set()
             for s in self.sentinels:

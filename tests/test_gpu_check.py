@@ -263,8 +263,19 @@ def test_e2e_section_on_cpu(tiny_model):
 def test_prepare_writes_a_small_folder_that_runs_without_the_model_package(tiny_model, tmp_path, monkeypatch):
     # --prepare copies the default model's config and tokenizer (here the tiny model's, to stay fast) and builds a
     # tiny model; --model <that folder> then makes random weights of its shape, once, in the pagedq cache.
+    import bench.random_model
+    from engine.loader import cache_root
+    from kernels import build
+
+    tiny = Path(tiny_model("llama"))  # from the usual cache, before PAGEDQ_CACHE points at an empty one
+    # The CPU kernels too (built by `make setup`): the engine below would otherwise build them afresh in the empty
+    # cache (minutes) in a process that has not loaded them yet (one of pytest-xdist's, or this test alone).
+    monkeypatch.setenv(build.ROOT_ENV, str(build.default_root(cache_root())))
     monkeypatch.setenv("PAGEDQ_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(gpu_check, "resolve_model", lambda model: Path(tiny_model("llama")))
+    monkeypatch.setattr(gpu_check, "resolve_model", lambda model: tiny)
+    # The tiny model that prepare writes takes SmolLM2's tokenizer from there too: the empty cache would otherwise
+    # convert the real model's GGUF first (half a minute) for its tokenizer alone.
+    monkeypatch.setattr(bench.random_model, "resolve_model", lambda model: tiny)
     said = []
     assert gpu_check.prepare(str(tmp_path / "carry"), said.append) == gpu_check.OK
     shape = tmp_path / "carry" / gpu_check.SHAPE_FOLDER
