@@ -312,7 +312,11 @@ def test_compose_gpu_override_reserves_a_gpu_per_worker():
     yaml = pytest.importorskip("yaml")
     base = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
     gpu = yaml.safe_load((ROOT / "docker-compose.gpu.yml").read_text())["services"]
-    assert set(gpu) <= set(base)
+    # Overrides of the base services, and services of their own only behind a profile (opt-in: worker-tp2).
+    assert {name for name, svc in gpu.items() if not svc.get("profiles")} <= set(base)
+    tp2 = gpu["worker-tp2"]
+    assert tp2["environment"]["PAGEDQ_TENSOR_PARALLEL_SIZE"] == "2"
+    assert tp2["deploy"]["resources"]["reservations"]["devices"][0]["count"] == 2
     worker = gpu["worker"]
     assert worker["environment"]["PAGEDQ_DEVICE"] == "cuda"
     assert worker["deploy"]["resources"]["reservations"]["devices"] == [

@@ -182,9 +182,10 @@ def test_queue_full_auth_and_unsupported_fields(redis_url, queue, start_serve, t
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
 
-    for extra, param in [({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    # tools without tool_choice means "auto", which needs a model's tool-call parser (serve.tools)
+    for extra, param in [({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
                          ({"n": 0}, "n"), ({"logit_bias": {"1": 5}}, "logit_bias"),
-                         ({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"response_format": {"type": "xml"}}, "response_format"),
                          ({"frobnicate": 1}, "frobnicate"), ({"temperature": -1}, "temperature"),
                          ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0].role"),
                          ({"max_completion_tokens": 0}, "max_completion_tokens")]:
