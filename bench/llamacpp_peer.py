@@ -9,7 +9,6 @@ PAGEDQ_LLAMACPP_SERVER). Every request of a workload is sent at once; the server
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import time
@@ -17,6 +16,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bench.peers import Unavailable, locate
 from bench.result import Outcome, Run
 from bench.workloads import Workload
 
@@ -25,18 +25,9 @@ LLAMACPP = "llamacpp"
 START_TIMEOUT_S = 300
 
 
-class Unavailable(Exception):
-    pass
-
-
 def find_server(server: str | None) -> str:
-    server = server or os.environ.get(SERVER_ENV)
-    if not server:
-        raise Unavailable(f"no llama.cpp to run: build llama-server (README, 'Quantized models') and pass "
-                          f"--llamacpp-server PATH or set {SERVER_ENV}")
-    if not Path(server).expanduser().exists():
-        raise Unavailable(f"--llamacpp-server {server}: no such file")
-    return str(Path(server).expanduser())
+    return locate(server, SERVER_ENV, "--llamacpp-server", f"no llama.cpp to run: build llama-server (README, "
+                  f"'Quantized models') and pass --llamacpp-server PATH or set {SERVER_ENV}")
 
 
 def _free_port() -> int:

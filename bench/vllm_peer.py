@@ -15,6 +15,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from bench.peers import Unavailable, locate
 from bench.result import Outcome, Run
 from bench.systems import VLLM
 from bench.workloads import Workload
@@ -27,18 +28,9 @@ KV_CACHE_GIB = "4"  # vLLM's CPU KV cache: room for every running sequence of th
 RUN_TIMEOUT_S = 3600
 
 
-class Unavailable(Exception):
-    pass
-
-
 def find_python(python: str | None) -> str:
-    python = python or os.environ.get(PYTHON_ENV)
-    if not python:
-        raise Unavailable(f"no vLLM to run: install it in its own environment ({INSTALL}), then pass "
-                          f"--vllm-python ~/vllm-cpu/bin/python or set {PYTHON_ENV}")
-    if not Path(python).expanduser().exists():
-        raise Unavailable(f"--vllm-python {python}: no such file")
-    return str(Path(python).expanduser())
+    return locate(python, PYTHON_ENV, "--vllm-python", f"no vLLM to run: install it in its own environment "
+                  f"({INSTALL}), then pass --vllm-python ~/vllm-cpu/bin/python or set {PYTHON_ENV}")
 
 
 def thread_env(threads: int) -> dict[str, str]:

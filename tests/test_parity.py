@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from preemptions import record_preemptions
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 
@@ -51,14 +52,7 @@ def test_tiny_models_match_under_preemption(tiny_model, arch):
     path = tiny_model(arch)
     # 10 blocks of 8 tokens cannot hold nine requests at once: preemption must happen, and change nothing.
     engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=14, block_size=8, max_num_batched_tokens=64))
-    preempted = []
-    orig = engine.scheduler._preempt
-
-    def spy(seq):
-        preempted.append(seq.request_id)
-        orig(seq)
-
-    engine.scheduler._preempt = spy
+    preempted = record_preemptions(engine)
     check(engine, path, PROMPTS, 32)
     assert preempted
 

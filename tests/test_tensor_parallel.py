@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 from faults import check_all, log_of, make_requests, started, streaming_on, wait_for
+from preemptions import record_preemptions
 from test_parity import PROMPTS
 
 from engine import EngineConfig, LLMEngine, SamplingParams
@@ -27,14 +28,7 @@ PREFIXED = [SYSTEM + q for q in ("Who are you?", "What is red?")]
 def run_scenarios(engine: LLMEngine, full: bool) -> tuple[list, list, int]:
     """Greedy tokens of the mixed prompts (full: all nine, preempting one another), then of two prompts sharing a
     prefix (the second run hits the first's blocks) -> (tokens, tokens, preemptions)."""
-    preempted = []
-    orig = engine.scheduler._preempt
-
-    def spy(seq):
-        preempted.append(seq.request_id)
-        orig(seq)
-
-    engine.scheduler._preempt = spy
+    preempted = record_preemptions(engine)
     greedy = SamplingParams(max_tokens=24 if full else 10, temperature=0)
     mixed = [o.token_ids for o in engine.generate(PROMPTS if full else PROMPTS[:4], greedy)]
     prefixed = []

@@ -1,6 +1,7 @@
 """The engine on the Triton kernels (under the interpreter) gives the torch backend's greedy tokens."""
 
 import pytest
+from preemptions import record_preemptions
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 
@@ -28,14 +29,7 @@ def test_same_tokens_under_preemption(tiny_model, arch):
     cfg = dict(model=path, num_kv_blocks=10, block_size=8, max_num_batched_tokens=32, max_model_len=64)
     want = [o.token_ids for o in greedy(LLMEngine(EngineConfig(**cfg, attention_backend="torch")), PROMPTS, 16)]
     engine = LLMEngine(EngineConfig(**cfg, attention_backend="triton"))
-    preempted = []
-    orig = engine.scheduler._preempt
-
-    def spy(seq):
-        preempted.append(seq.request_id)
-        orig(seq)
-
-    engine.scheduler._preempt = spy
+    preempted = record_preemptions(engine)
     assert [o.token_ids for o in greedy(engine, PROMPTS, 16)] == want
     assert preempted
 
