@@ -10,7 +10,7 @@ import click
 
 from bench import gpu_check
 from bench.workloads import NAMES
-from engine.config import DEFAULT_MODEL
+from engine.config import DEFAULT_MODEL, QUANTIZATIONS
 
 # The last four are runs of their own (bench.overhead, bench.parallel, bench.serve_load, bench.structured).
 WORKLOADS = (*NAMES, "overhead", "parallel", "serve-load", "json")
@@ -82,7 +82,7 @@ def _requests(ctx, param, value: tuple[str, ...]) -> dict[str, int]:
 @click.option("--llamacpp-server", envvar="PAGEDQ_LLAMACPP_SERVER", default=None, show_envvar=True,
               help="llama.cpp's llama-server binary (README, 'Quantized models'): runs the llamacpp system on the "
                    "model's GGUF")
-@click.option("--quantization", default="auto", type=click.Choice(["auto", "none", "int8"]),
+@click.option("--quantization", default="auto", type=click.Choice(QUANTIZATIONS),
               help="The engine's: auto keeps a GGUF's blocks quantized (CPU), none dequantizes, int8 makes int8")
 def bench(model, device, dtype, workloads, systems, quick, num_requests, hf_single_requests, max_num_seqs,
           max_num_batched_tokens, rate, tensor_parallel_size, seed, out_dir, no_progress, no_charts,

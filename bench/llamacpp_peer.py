@@ -9,7 +9,6 @@ PAGEDQ_LLAMACPP_SERVER). Every request of a workload is sent at once; the server
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 import urllib.request
@@ -19,6 +18,7 @@ from pathlib import Path
 from bench.peers import Unavailable, locate
 from bench.result import Outcome, Run
 from bench.workloads import Workload
+from worker.redis_server import free_port
 
 SERVER_ENV = "PAGEDQ_LLAMACPP_SERVER"
 LLAMACPP = "llamacpp"
@@ -28,12 +28,6 @@ START_TIMEOUT_S = 300
 def find_server(server: str | None) -> str:
     return locate(server, SERVER_ENV, "--llamacpp-server", f"no llama.cpp to run: build llama-server (README, "
                   f"'Quantized models') and pass --llamacpp-server PATH or set {SERVER_ENV}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(url: str, body: dict, timeout: float = 3600) -> dict:
@@ -46,7 +40,7 @@ class Server:
     """A running llama-server: `parallel` slots of `ctx_per_slot` tokens each, `threads` threads."""
 
     def __init__(self, binary: str, gguf: str, threads: int, parallel: int, ctx_per_slot: int, log_path: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         start = time.perf_counter()
         self.log = open(log_path, "w")  # noqa: SIM115 (open while the server runs; closed by close())

@@ -17,8 +17,11 @@ import re
 import subprocess
 import tempfile
 import time
+from pathlib import Path
 
 import torch
+
+from bench.report import write_json
 
 
 def fixed_text(chars: int = 60_000) -> str:
@@ -97,8 +100,7 @@ def main() -> None:
     for r in results:
         print(json.dumps(r))
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(results, Path(a.out).parent, Path(a.out).name)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from bench.report import write_json
+
 CONFIGS = [("none", "bfloat16"), ("int8", "bfloat16"), ("auto", "bfloat16"), ("auto", "float32")]
 
 
@@ -108,8 +110,7 @@ def main() -> None:
                                             a.steps * 4))
         print(json.dumps(data["results"][-1]))
     if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(data, indent=1))
+        write_json(data, Path(a.out).parent, Path(a.out).name)
 
 
 if __name__ == "__main__":

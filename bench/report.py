@@ -108,7 +108,7 @@ def _grid(head: list[str], rows: list[list[str]]) -> list[str]:
     return [fmt.format(*head), "  ".join("-" * w for w in widths), *(fmt.format(*r) for r in rows)]
 
 
-def write_json(data: dict, out_dir: str | Path, name: str = "bench.json") -> Path:
+def write_json(data: dict | list, out_dir: str | Path, name: str = "bench.json") -> Path:
     """data as out_dir/name (the folder made if need be) -> its path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

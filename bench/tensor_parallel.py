@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 from bench import workloads as wls
 from bench.durability import cpu_name
+from bench.report import write_json
 from bench.systems import run_engine
 
 # hidden 1024, 16 heads (4 KV), 8 layers, MLP 4096, SmolLM2's 49,152-token vocabulary (tied): 172M parameters.
@@ -52,10 +52,7 @@ def run_tensor_parallel(size: int, dtype: str | None, quick: bool, out_dir: str,
             echo(json.dumps(run))
         finally:
             engine.close()
-    out = Path(out_dir) / "bench-tensor-parallel.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1) + "\n")
-    echo(f"wrote {out}")
+    echo(f"wrote {write_json(results, out_dir, 'bench-tensor-parallel.json')}")
     return results
 
 

@@ -9,6 +9,7 @@ import sys
 import click
 
 from cli.errors import Group
+from engine.config import QUANTIZATIONS
 
 
 @click.group(cls=Group)
@@ -28,7 +29,7 @@ def pull(name) -> None:
 
 @models.command()
 @click.argument("name")
-@click.option("--quantization", default="auto", type=click.Choice(["auto", "none", "int8"]), show_default=True,
+@click.option("--quantization", default="auto", type=click.Choice(QUANTIZATIONS), show_default=True,
               help="As the worker's --quantization")
 @click.option("--dtype", default=None, help="As the worker's --dtype")
 def layers(name, quantization, dtype) -> None:

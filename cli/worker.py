@@ -12,7 +12,7 @@ import click
 
 from cli.errors import check_redis
 from cli.options import default_of, queue_options
-from engine.config import EngineConfig
+from engine.config import QUANTIZATIONS, EngineConfig
 from producer.protocol import Limits
 from worker import LOG_FORMAT
 from worker.config import WorkerConfig
@@ -30,7 +30,7 @@ LIMIT_OPTIONS = {"max_prompt_chars": "max_prompt_chars", "max_tokens_limit": "ma
 @click.option("--dtype", envvar="PAGEDQ_DTYPE", default=default_of(EngineConfig, "dtype"),
               help="float32 | bfloat16 | float16 | auto (bfloat16 on cuda and on CPUs with bfloat16 units); "
                    "default: float32 on cpu, bfloat16 on cuda")
-@click.option("--quantization", envvar="PAGEDQ_QUANTIZATION", type=click.Choice(["auto", "none", "int8"]),
+@click.option("--quantization", envvar="PAGEDQ_QUANTIZATION", type=click.Choice(QUANTIZATIONS),
               default=default_of(EngineConfig, "quantization"), show_default=True,
               help="CPU: auto keeps a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights quantized in memory; none dequantizes "
                    "them to float; int8 makes weight-only int8 of any model's float weights")

@@ -100,6 +100,9 @@ class EngineConfig:
             raise ValueError("ranks on several hosts need dist_init_addr (host:port of node 0's rendezvous)")
         if self.cpu_threads_per_rank is not None and self.cpu_threads_per_rank < 1:
             raise ValueError(f"cpu_threads_per_rank must be >= 1, got {self.cpu_threads_per_rank}")
+        if size > 1 and self.quantization == "int8":
+            # Quantized panels are made from whole rows; the ranks load slices (engine.model_runner).
+            raise ValueError("quantization int8 does not combine with tensor parallelism yet: give one or the other")
         if size > 1:
             # The other ranks take a step's input ids from its message, not from the device: no overlap yet.
             if self.overlap_steps:

@@ -98,8 +98,6 @@ class ModelRunner:
         self.quantized = []  # engine.quantized_linear.LayerReport per linear layer, where any is quantized
         if self.device.type == "cpu" and self.shard.parallel:
             # A GGUF's blocks are laid out for whole rows; the ranks load slices of its float conversion instead.
-            if config.quantization == "int8":
-                raise ValueError("quantization int8 does not combine with tensor parallelism yet: give one or the other")
             if config.quantization == "auto" and gguf_source(config.model) is not None:
                 log.info("tensor parallelism: the GGUF's weights are dequantized (quantized shards are not there yet)")
         elif self.device.type == "cpu":

@@ -25,7 +25,6 @@ from kernels.quant_layout import Blocks
 
 log = logging.getLogger("pagedq.engine")
 
-MODES = ("auto", "none", "int8")
 # pagedq's fused linears -> the GGUF tensors whose rows they stack, in order ({i}: the layer)
 GGUF_PARTS = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
               "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}
@@ -115,9 +114,8 @@ def int8_blocks(model: nn.Module) -> dict[str, tuple[Blocks, str]]:
 
 def quantize(model: nn.Module, mode: str, gguf: Path | None, backend) -> list[LayerReport]:
     """Swap the model's linear layers for QuantLinear where `mode` and the source allow it -> a report per linear
-    layer (quantized or not). Does nothing (an empty report) where mode is "none", or "auto" without a GGUF."""
-    if mode not in MODES:
-        raise ValueError(f"quantization must be one of {MODES}, got {mode!r}")
+    layer (quantized or not). Does nothing (an empty report) where mode is "none", or "auto" without a GGUF. `mode`:
+    one of engine.config.QUANTIZATIONS, checked by the EngineConfig it comes from."""
     if mode == "none" or (mode == "auto" and gguf is None):
         return []
     path = (getattr(backend, "linear_paths", None) or {}).get("quantized")

@@ -15,6 +15,8 @@ sampling extensions that the engine has are accepted too (`top_k`, `min_p`, `rep
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -136,18 +138,26 @@ def _check_constraint(req: JobRequest, body: dict, tools: ToolCalls | None) -> N
         return
     param = "tools" if tools is not None else next(n for n in ("response_format", *CONSTRAINTS) if n in body)
     kind, spec = req.constraint
+    problem = _problem(kind, json.dumps(spec, sort_keys=True))
+    if problem:
+        raise bad_request(f"{param}: invalid {kind} constraint: {problem}", param, "invalid_constraint")
+
+
+@functools.lru_cache(maxsize=256)
+def _problem(kind: str, spec_json: str) -> str:
+    """The grammar engine's objection to a constraint ("" if none), by its JSON text: the many requests that share a
+    schema check it once."""
     try:
         from llguidance import LLMatcher, grammar_from
     except ImportError:  # the grammar engine is the worker's: a front without it leaves the check to the worker
-        return
+        return ""
+    spec = json.loads(spec_json)
     try:  # the engine's grammars (engine.constraints) differ only in options that cannot make one invalid
         grammar = grammar_from("json_schema" if kind == "json_object" else kind,
                                {"type": "object"} if kind == "json_object" else spec)
-        problem = LLMatcher.validate_grammar(grammar).strip()
+        return LLMatcher.validate_grammar(grammar).strip()
     except (ValueError, TypeError) as e:
-        problem = str(e)
-    if problem:
-        raise bad_request(f"{param}: invalid {kind} constraint: {problem}", param, "invalid_constraint")
+        return str(e)
 
 
 def _check_neutral(kind: Kind, body: dict) -> None:
