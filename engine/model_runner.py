@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import numpy as np
 import torch
+from torch import nn
 from transformers import AutoConfig
 
 from engine import host_memory, step_inputs
@@ -31,6 +34,18 @@ log = logging.getLogger("pagedq.engine")
 # sockets, for tensors up to this size (larger ones are prefill chunks, where gloo's bandwidth serves).
 SHM_MAX_BYTES = 16 << 20
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@contextlib.contextmanager
+def _no_random_init() -> Iterator[None]:
+    """Linear and embedding weights left as allocated: load_weights fills every parameter (and fails on any the
+    checkpoint lacks), so their random init would be thrown away, about a second of a 135M model's start on 2 cores."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
 
 
 def _available_memory() -> int:
@@ -85,7 +100,7 @@ class ModelRunner:
                                    build.default_root(cache_root(config.cache_dir)))
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            with torch.device(self.device), _no_random_init():
                 self.model = LlamaForCausalLM(hf_config, self.max_model_len, self.shard)
         finally:
             torch.set_default_dtype(torch.float32)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from engine import gguf_index
 from engine.packed_linear import PanelLinear
 from kernels import quant_layout
 from kernels.quant_layout import Blocks
@@ -77,17 +78,14 @@ def _unpermute(blocks: Blocks, heads: int) -> Blocks:
 def read_gguf(path: Path, config) -> tuple[dict[str, tuple[Blocks, str]], dict[str, str]]:
     """The GGUF's linear layers under pagedq's module names -> ((blocks, format) where every part has a reader,
     {name: why not} for the rest)."""
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    arch = str(reader.fields["general.architecture"].contents()) if "general.architecture" in reader.fields else ""
-    tensors = {t.name: t for t in reader.tensors}
+    meta, tensors = gguf_index.read(path)
+    arch = str(meta.get("general.architecture", ""))
     wanted = {f"model.layers.{i}.{name}": [f"blk.{i}.{p}.weight" for p in parts]
               for i in range(config.num_hidden_layers) for name, parts in GGUF_PARTS.items()}
     wanted["lm_head"] = ["output.weight" if "output.weight" in tensors else "token_embd.weight"]
     found, skipped = {}, {}
     for name, parts in wanted.items():
-        types = [tensors[p].tensor_type.name if p in tensors else "missing" for p in parts]
+        types = [tensors[p].type if p in tensors else "missing" for p in parts]
         if any(t not in quant_layout.READERS for t in types):
             skipped[name] = "+".join(sorted(set(types)))
             continue
