@@ -16,6 +16,9 @@ far it got):
    both at batch 1/8/64 with torch.cuda.set_sync_debug_mode("error") around the steady loop (a host sync there
    fails the section, with the op's message and where it was called).
 4. e2e: the bench's chat and mixed workloads, the engine against transformers static batching and generate_batch.
+5. tensor_parallel, with --tensor-parallel-size N (N > 1, N GPUs from --device's on): one replica over N GPUs (NCCL,
+   CUDA graphs with the all-reduces inside) against one GPU, the same requests greedy, token for token (a divergence
+   passes only at a near tie); decode steps/s of both at batch 1/8/64. Skipped at N = 1.
 
 --model picks the model of sections 3 and 4: an alias or a Hugging Face folder; a folder with config.json and the
 tokenizer but no weights (random weights of that shape are made once, in the pagedq cache: how an offline GPU
@@ -52,8 +55,9 @@ from pathlib import Path
 from engine.config import DEFAULT_MODEL
 from engine.loader import cache_root, resolve_model
 
-SECTIONS = ("kernels", "bandwidth", "graphs", "e2e")  # cheapest first: they always run in this order
-BUDGETS = {"kernels": 75, "bandwidth": 40, "graphs": 75, "e2e": 100}  # seconds; ~5 minutes in all on an H200
+SECTIONS = ("kernels", "bandwidth", "graphs", "e2e", "tensor_parallel")  # cheapest first: they run in this order
+# seconds; ~5 minutes in all on an H200 (tensor_parallel runs only with --tensor-parallel-size above 1)
+BUDGETS = {"kernels": 75, "bandwidth": 40, "graphs": 75, "e2e": 100, "tensor_parallel": 120}
 OK, FAILED, USAGE, NO_GPU, SHORT = 0, 1, 2, 3, 4  # exit statuses
 # The command's options, once: `pagedq gpu-check` (bench.cli, click) and `python -m bench.gpu_check` (argparse,
 # where click is not installed) are made from them. (flag, default, help)
@@ -66,6 +70,8 @@ OPTIONS = (
                                "with config.json and tokenizer but no weights (random weights of its shape), or tiny"),
     ("--budgets", ",".join(f"{k}={v}" for k, v in BUDGETS.items()),
      "Seconds per section (NAME=S,...): a section stops its sweep when its budget is spent"),
+    ("--tensor-parallel-size", "1", "GPUs of one replica in the tensor_parallel section, from --device's on; 1 skips "
+                                    "it"),
     ("--prepare", None, "Write what an offline GPU machine needs into this folder (the default model's config and "
                         "tokenizer, a tiny random model), then exit"),
 )
@@ -91,7 +97,11 @@ def run_options(opts: dict, echo=print) -> int:
     except ValueError as e:
         echo(f"gpu-check: {e}")
         return USAGE
-    return run(opts["out"], opts["device"], sections, opts["model"], budgets, echo)
+    size = str(opts.get("tensor_parallel_size") or 1)
+    if not size.isdigit() or int(size) < 1:
+        echo(f"gpu-check: --tensor-parallel-size must be a whole number >= 1, not {size!r}")
+        return USAGE
+    return run(opts["out"], opts["device"], sections, opts["model"], budgets, echo, int(size))
 
 
 def parse_budgets(text: str) -> dict[str, float]:
@@ -112,7 +122,8 @@ def default_out() -> Path:
 
 
 def run(out: str | None = None, device: str = "cuda", sections: list[str] | tuple[str, ...] = SECTIONS,
-        model: str = DEFAULT_MODEL, budgets: dict[str, float] | None = None, echo=print) -> int:
+        model: str = DEFAULT_MODEL, budgets: dict[str, float] | None = None, echo=print,
+        tensor_parallel_size: int = 1) -> int:
     import torch
 
     unknown = set(sections) - set(SECTIONS)
@@ -129,6 +140,12 @@ def run(out: str | None = None, device: str = "cuda", sections: list[str] | tupl
     if not smoke and not torch.cuda.is_available():
         echo("gpu-check: no CUDA GPU here (torch.cuda.is_available() is False); nothing was measured")
         return NO_GPU
+    if not smoke and "tensor_parallel" in sections and tensor_parallel_size > 1:
+        first = torch.device(device).index or 0
+        if first + tensor_parallel_size > torch.cuda.device_count():
+            echo(f"gpu-check: --tensor-parallel-size {tensor_parallel_size} from {device} needs GPUs {first} to "
+                 f"{first + tensor_parallel_size - 1}; this machine has {torch.cuda.device_count()}")
+            return USAGE
     import triton
 
     budgets = {**BUDGETS, **(budgets or {})}
@@ -140,7 +157,8 @@ def run(out: str | None = None, device: str = "cuda", sections: list[str] | tupl
         props = torch.cuda.get_device_properties(device)
         data["gpu"] = {"capability": f"{props.major}.{props.minor}", "sms": props.multi_processor_count,
                        "memory_gib": round(props.total_memory / 2**30, 1)}
-    steps = {"kernels": check_kernels, "bandwidth": attention_bandwidth, "graphs": graph_check, "e2e": end_to_end}
+    steps = {"kernels": check_kernels, "bandwidth": attention_bandwidth, "graphs": graph_check, "e2e": end_to_end,
+             "tensor_parallel": functools.partial(tensor_parallel_check, size=tensor_parallel_size)}
     for name in SECTIONS:
         if name not in sections:
             continue
@@ -570,11 +588,12 @@ GRAPH_DTYPES = ("bfloat16", "float32")  # the CUDA default, then float32 where a
 TIE = {"bfloat16": 0.2, "float16": 0.05, "float32": 0.01}
 
 
-def _engine(folder: Path, device: str, dtype: str, graphs: bool, max_num_seqs: int):
+def _engine(folder: Path, device: str, dtype: str, graphs: bool, max_num_seqs: int, tensor_parallel_size: int = 1):
     from engine import EngineConfig, LLMEngine
 
     return LLMEngine(EngineConfig(model=str(folder), device=device, dtype=dtype, enforce_eager=not graphs,
-                                  max_num_seqs=max_num_seqs, num_kv_blocks=4096))
+                                  max_num_seqs=max_num_seqs, num_kv_blocks=4096,
+                                  tensor_parallel_size=tensor_parallel_size))
 
 
 def equality_requests(vocab: int, n: int = 12, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -622,17 +641,19 @@ def near_tie(engine, prompt: list[int], a: int, b: int) -> float | None:
     return top[b] - top[a] if a in top and b in top else None
 
 
-def compare(graph_tokens, eager_tokens, requests, eager_engine, dtype: str) -> dict:
-    """Token-for-token equality; each divergence checked for a near tie by the eager engine's logprobs."""
+def compare(graph_tokens, eager_tokens, requests, eager_engine, dtype: str, names=("graph", "eager")) -> dict:
+    """Token-for-token equality; each divergence checked for a near tie by the eager engine's logprobs. names: what
+    the two runs are, in each divergence's keys ("graph_token", "eager_token")."""
+    tested, reference = (f"{name}_token" for name in names)
     divergences = []
     for i, (g, e) in enumerate(zip(graph_tokens, eager_tokens)):
         if g == e:
             continue
         p = next((j for j, (x, y) in enumerate(zip(g, e)) if x != y), min(len(g), len(e)))
-        row = {"request": i, "position": p, "graph_token": g[p] if p < len(g) else None,
-               "eager_token": e[p] if p < len(e) else None, "gap": None}
-        if row["graph_token"] is not None and row["eager_token"] is not None:
-            row["gap"] = near_tie(eager_engine, requests[i][0] + e[:p], row["graph_token"], row["eager_token"])
+        row = {"request": i, "position": p, tested: g[p] if p < len(g) else None,
+               reference: e[p] if p < len(e) else None, "gap": None}
+        if row[tested] is not None and row[reference] is not None:
+            row["gap"] = near_tie(eager_engine, requests[i][0] + e[:p], row[tested], row[reference])
         row["explained"] = row["gap"] is not None and abs(row["gap"]) <= TIE[dtype]
         divergences.append(row)
     return {"dtype": dtype, "requests": len(requests), "tokens": sum(map(len, eager_tokens)),
@@ -798,6 +819,45 @@ def end_to_end(device: str, budget: Budget, model: str = DEFAULT_MODEL, smoke: b
     return out
 
 
+# ---- 5. tensor parallelism --------------------------------------------------------------------------------------
+
+TP_BATCHES = (1, 8, 64)
+
+
+def tensor_parallel_check(device: str, budget: Budget, model: str = DEFAULT_MODEL, smoke: bool = False,
+                          size: int = 1, batches=TP_BATCHES, steps: int = 64) -> dict:
+    """One replica over `size` devices against one device: greedy tokens, then decode steps/s at each batch."""
+    if size < 2:
+        return {"status": "skipped", "why": "give --tensor-parallel-size N (N > 1) to check a replica over N GPUs"}
+    if smoke:
+        batches, steps = (1, 2), 3
+    dtype = "float32" if smoke else "bfloat16"
+    folder, weights = model_folder(model)
+    out: dict = {"model": str(folder), "weights": weights, "size": size, "dtype": dtype, "cases": [], "failures": []}
+    graphs = device.startswith("cuda")
+    one = _engine(folder, device, dtype, graphs, max(batches))
+    many = _engine(folder, device, dtype, graphs, max(batches), tensor_parallel_size=size)
+    try:
+        out["captured"] = many.runner.graphs is not None
+        if graphs and not out["captured"]:
+            out["failures"].append("the tensor-parallel engine captured no CUDA graphs")
+        requests = equality_requests(one.vocab_size)
+        out["equality"] = compare(drive(many, requests, "tp"), drive(one, requests), requests, one, dtype,
+                                  names=("parallel", "one"))
+        if not out["equality"]["ok"]:
+            out["failures"].append(f"{size} ranks' tokens differ from one device's beyond a near tie")
+        for batch in sweep(budget, batches, out, "batch sizes"):
+            for ranks, engine in ((size, many), (1, one)):
+                out["cases"].append({"ranks": ranks, **steady(engine, batch, steps, device, check_sync=False)})
+    finally:
+        many.close()
+        one.close()
+    rate = {(r["batch"], r["ranks"]): r["steps_per_s"] for r in out["cases"] if "steps_per_s" in r}
+    out["speedup"] = {str(b): rate[(b, size)] / rate[(b, 1)] for b in batches if (b, size) in rate and (b, 1) in rate}
+    out["status"] = "failed" if out["failures"] else "partial" if out.get("stopped") else "ok"
+    return out
+
+
 # ---- report ------------------------------------------------------------------------------------------------------
 
 
@@ -813,6 +873,7 @@ def targets(data: dict) -> list[dict]:
     syncs = sum("host_sync" in r for r in checked)
     speed = g.get("speedup", {}).get("8")
     e2e = data.get("e2e", {}).get("ratios", {}).get("mixed: engine / hf-static")
+    tp = data.get("tensor_parallel", {}).get("equality", {}).get("ok")
     return [
         {"target": "kernels correct in bf16, fp16 and fp32 (store_kv exact, attention within tolerance)",
          "measured": k.get("ok"), "met": k.get("ok")},
@@ -827,6 +888,7 @@ def targets(data: dict) -> list[dict]:
          "met": speed >= 1.5 if speed else None},
         {"target": "engine >= 3x transformers static batching on mixed", "measured": e2e,
          "met": e2e >= 3 if e2e else None},
+        {"target": "tensor parallelism gives one device's greedy tokens (or a near tie)", "measured": tp, "met": tp},
     ]
 
 
@@ -910,9 +972,21 @@ def table(data: dict) -> str:
             lines.append(f"{err['workload']} {err['system']}: {err['error']}")
         if "chat_reply" in e:
             lines.append(f"chat reply: {e['chat_reply']!r}")
+    lines += _tensor_parallel_lines(data.get("tensor_parallel"))
     lines += ["", "target | measured | met"]
     lines += [f"{t['target']} | {_fmt(t['measured'])} | {_fmt(t['met'])}" for t in data["targets"]]
     return "\n".join(lines)
+
+
+def _tensor_parallel_lines(t: dict | None) -> list[str]:
+    if not t or "equality" not in t:
+        return []
+    e = t["equality"]
+    lines = ["", f"tensor parallel x{t['size']} vs one device, {e['dtype']}: {e['equal_requests']} of {e['requests']} "
+                 f"requests equal; CUDA graphs captured: {_fmt(t['captured'])}"]
+    for b, s in t.get("speedup", {}).items():
+        lines.append(f"decode steps/s at batch {b}: {s:.2f}x one device")
+    return lines
 
 
 if __name__ == "__main__":

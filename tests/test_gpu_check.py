@@ -63,9 +63,13 @@ def test_usage_errors_and_the_default_out():
     # The JSON goes to the pagedq cache unless told otherwise: never into the repository (docs/ was the old place).
     assert dict((f, d) for f, d, _ in gpu_check.OPTIONS)["--out"] is None
     assert ROOT not in gpu_check.default_out().resolve().parents
-    # Sections run cheapest first, and the default budgets add up to about five minutes.
-    assert gpu_check.SECTIONS == ("kernels", "bandwidth", "graphs", "e2e")
-    assert sum(gpu_check.BUDGETS.values()) <= 330
+    # Sections run cheapest first, and the default budgets add up to about five minutes (tensor_parallel runs only
+    # when given more than one GPU).
+    assert gpu_check.SECTIONS == ("kernels", "bandwidth", "graphs", "e2e", "tensor_parallel")
+    assert sum(v for k, v in gpu_check.BUDGETS.items() if k != "tensor_parallel") <= 330
+    assert gpu_check.run_options({"sections": "tensor_parallel", "budgets": "", "out": None, "device": "cpu",
+                                  "model": "tiny", "tensor_parallel_size": "two"}, said.append) == gpu_check.USAGE
+    assert "--tensor-parallel-size must be a whole number" in said[2]
 
 
 # ---- kernels ---------------------------------------------------------------------------------------------------
@@ -255,6 +259,23 @@ def test_e2e_section_on_cpu(tiny_model):
     data = {"device": "cpu", "torch": "-", "triton": "-", "e2e": {**out, "seconds": 1, "budget_s": 2}}
     data["targets"] = gpu_check.targets(data)
     assert "target | measured | met" in gpu_check.table(data)
+
+
+def test_tensor_parallel_section_on_cpu(tiny_model, tmp_path):
+    # Two gloo ranks on the CPU stand in for two GPUs: the same requests, token for token, and the steps/s of both.
+    out = gpu_check.tensor_parallel_check("cpu", gpu_check.Budget(600), tiny_model("llama"), smoke=True, size=2)
+    assert out["status"] == "ok", out["failures"]
+    assert out["equality"]["ok"] and out["equality"]["equal_requests"] == out["equality"]["requests"]
+    assert set(out["speedup"]) == {"1", "2"} and {r["ranks"] for r in out["cases"]} == {1, 2}
+    data = {"device": "cpu", "torch": "-", "triton": "-", "tensor_parallel": {**out, "seconds": 1, "budget_s": 2}}
+    data["targets"] = gpu_check.targets(data)
+    text = gpu_check.table(data)
+    assert "tensor parallel x2 vs one device, float32: 12 of 12 requests equal" in text
+    assert "tensor parallelism gives one device's greedy tokens (or a near tie) | yes | yes" in text
+    # One device: nothing to compare, and nothing fails.
+    said = []
+    assert gpu_check.run(str(tmp_path / "g.json"), "cpu", ["tensor_parallel"], "tiny", echo=said.append) == gpu_check.OK
+    assert json.loads((tmp_path / "g.json").read_text())["tensor_parallel"]["status"] == "skipped"
 
 
 # ---- the offline GPU machine -----------------------------------------------------------------------------------
