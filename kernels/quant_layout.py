@@ -9,6 +9,9 @@ times a 6- or 8-bit integer: exact in float32):
   Q4_0  blocks of 32: d, 32 4-bit q            -> u = q, scale d, min -8 d                  (4 bits, block 32)
   Q4_1  blocks of 32: d, m, 32 4-bit q         -> u = q, scale d, min m                     (4 bits, block 32)
   Q4_K  256: d, dmin, 8 x 6-bit (sc, m), q     -> per 32: scale d sc, min -dmin m           (4 bits, block 32)
+  Q5_0  blocks of 32: d, 32 5-bit q            -> u = q, scale d, min -16 d                 (8 bits, block 32)
+  Q5_1  blocks of 32: d, m, 32 5-bit q         -> u = q, scale d, min m                     (8 bits, block 32)
+  Q5_K  256: as Q4_K, with a fifth bit a value -> per 32: scale d sc, min -dmin m           (8 bits, block 32)
   Q6_K  256: 6-bit q (low 4 + high 2 bits), 16 int8 sc, d -> per 16: u = q, scale d sc, min -32 d sc (8 bits, 16)
 
 `pack` then lays them out in panels of 16 output columns for the kernel. The gguf package's dequantizers are the
@@ -79,6 +82,24 @@ def read_q4_1(raw: np.ndarray) -> Blocks:
     return Blocks(_nibbles(b[..., 4:]).reshape(raw.shape[0], -1), _f16(b, 0), _f16(b, 2), 4, 32)
 
 
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1's 4 bytes of high bits -> bit j of the little-endian word for value j, as [..., 32] uint8."""
+    return np.unpackbits(qh, axis=-1, bitorder="little")
+
+
+def read_q5_0(raw: np.ndarray) -> Blocks:
+    b = _blocks(raw, 22)
+    d = _f16(b, 0)
+    u = _nibbles(b[..., 6:]) | (_fifth_bits(b[..., 2:6]) << 4)
+    return Blocks(u.reshape(raw.shape[0], -1), d, -16 * d, 8, 32)
+
+
+def read_q5_1(raw: np.ndarray) -> Blocks:
+    b = _blocks(raw, 24)
+    u = _nibbles(b[..., 8:]) | (_fifth_bits(b[..., 4:8]) << 4)
+    return Blocks(u.reshape(raw.shape[0], -1), _f16(b, 0), _f16(b, 2), 8, 32)
+
+
 def _k4_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K's 12 bytes of scales -> the 8 sub-blocks' 6-bit scales and mins, [..., 8] each. Sub-blocks 0-3: the low 6
     bits of bytes 0-3 (scales) and 4-7 (mins); 4-7: the nibbles of bytes 8-11, their top 2 bits from the top 2 bits
@@ -101,6 +122,19 @@ def read_q4_k(raw: np.ndarray) -> Blocks:
     return Blocks(u, (d[..., None] * sc).reshape(n, -1), (-dmin[..., None] * m).reshape(n, -1), 4, 32)
 
 
+def read_q5_k(raw: np.ndarray) -> Blocks:
+    b = _blocks(raw, 176)
+    n, nb = b.shape[:2]
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    sc, m = _k4_scales(b[..., 4:16])
+    qh = b[..., 16:48]  # value l of sub-block s: bit s of byte l
+    qs = b[..., 48:].reshape(n, nb, 4, 32)  # as Q4_K's: sub-blocks 2c (low nibbles) and 2c + 1 (high)
+    low = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, nb, 8, 32)
+    high = np.stack([(qh >> s) & 1 for s in range(8)], axis=2)
+    u = (low | (high << 4)).reshape(n, nb * 256)
+    return Blocks(u, (d[..., None] * sc).reshape(n, -1), (-dmin[..., None] * m).reshape(n, -1), 8, 32)
+
+
 def read_q6_k(raw: np.ndarray) -> Blocks:
     b = _blocks(raw, 210)
     n, nb = b.shape[:2]
@@ -117,7 +151,8 @@ def read_q6_k(raw: np.ndarray) -> Blocks:
     return Blocks(u, scale, -32 * scale, 8, 16)
 
 
-READERS = {"Q8_0": read_q8_0, "Q4_0": read_q4_0, "Q4_1": read_q4_1, "Q4_K": read_q4_k, "Q6_K": read_q6_k}
+READERS = {"Q8_0": read_q8_0, "Q4_0": read_q4_0, "Q4_1": read_q4_1, "Q5_0": read_q5_0, "Q5_1": read_q5_1,
+           "Q4_K": read_q4_k, "Q5_K": read_q5_k, "Q6_K": read_q6_k}
 
 
 def int8_per_channel(weight: np.ndarray) -> Blocks:
