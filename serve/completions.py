@@ -104,7 +104,7 @@ async def _submit(client: AsyncClient, queues: Queues, tenants: Tenants, key: Ap
         raise bad_request(str(e), code="limit_exceeded") from None
     try:
         if key is None:
-            await client.submit(p.request)
+            await queues.submit(client, p.request)
             return None, True
         charged = tenancy.estimate(p.request)
         await tenants.admit(key, charged)

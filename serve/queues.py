@@ -26,10 +26,12 @@ from producer.connection import (
     detect_cluster,
     resolve_url,
 )
+from producer.protocol import JobRequest
 from serve.config import ServeConfig
 from serve.errors import APIError
 from serve.events import EventReaders
 from serve.metrics import ServeMetrics
+from serve.submits import Submits
 
 CLIENT_NAME = "pagedq-serve"  # CLIENT SETNAME of the pooled connections (CLIENT LIST shows them)
 _POOLED_SCHEMES = ("redis", "rediss", "unix")
@@ -116,6 +118,7 @@ class Queues:
         self.redis = connect_pool(config)
         self.events = EventReaders(self.redis, metrics, config.redis_grace_s)
         self._clients: dict[str, AsyncClient] = {}
+        self._submits: dict[str, Submits] = {}
         self.open = 0  # completion requests admitted and not yet answered
 
     def client(self, queue: str) -> AsyncClient:
@@ -123,6 +126,13 @@ class Queues:
         if c is None:
             c = self._clients[queue] = AsyncClient(redis=self.redis, queue=queue)
         return c
+
+    async def submit(self, client: AsyncClient, request: JobRequest) -> None:
+        """client.submit(request), in one round trip with the other requests submitting to its queue meanwhile."""
+        submits = self._submits.get(client.keys.queue)
+        if submits is None:
+            submits = self._submits[client.keys.queue] = Submits(client)
+        await submits.submit(request)
 
     def for_model(self, model: str) -> AsyncClient:
         if not self.config.known(model):
@@ -160,6 +170,8 @@ class Queues:
                               f"is {limit}); retry later", "queue_full")
 
     async def close(self) -> None:
+        for submits in self._submits.values():
+            await submits.close()
         await self.events.close()
         await self.redis.aclose()
 

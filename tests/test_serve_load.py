@@ -254,3 +254,50 @@ def test_serve_load_bench_smoke(tmp_path):
     assert 1 <= data["serve"]["redis_connections_max"] <= 18
     assert all(data["serve"][k] > 0 for k in ("ttft_p99_s", "e2e_p99_s", "serve_cpu_s_per_1k_tokens"))
     assert json.loads((tmp_path / "serve-load.json").read_text())["workload"] == "serve-load"
+
+
+def test_concurrent_submits_share_round_trips(redis_url, queue, monkeypatch):
+    """serve.submits: 300 requests submitting at once go out in a few pipelines, each job created once; a duplicate
+    id fails that request alone; a request that left before its batch went out queues no job; and a Redis that is
+    gone fails every request of the round trip with its error."""
+    import redis.asyncio as aredis
+
+    from producer import AsyncClient, DuplicateJobError, JobNotFound, JobRequest
+    from serve import submits
+
+    trips = []
+    real = submits.flows.adrive
+
+    async def counted(r, flow):
+        trips.append(1)
+        return await real(r, flow)
+
+    monkeypatch.setattr(submits.flows, "adrive", counted)
+
+    def request(i):
+        return JobRequest(id=f"j{i}", model="m", prompt="hi", max_tokens=2)
+
+    async def scenario():
+        async with AsyncClient(redis_url, queue=queue) as client:
+            batcher = submits.Submits(client)
+            await batcher.submit(request("dup"))
+            assert len(trips) == 1  # a lone request: one round trip
+            outs = await asyncio.gather(*(batcher.submit(request(i)) for i in range(300)),
+                                        batcher.submit(request("dup")), return_exceptions=True)
+            assert outs[:300] == [None] * 300 and isinstance(outs[300], DuplicateJobError)
+            assert 2 <= len(trips) <= 4  # 301 scripts in pipelines of at most 256: 2 round trips after the first
+            assert [await client.status(f"j{i}") for i in (0, 299)] == ["queued", "queued"]
+            left = asyncio.ensure_future(batcher.submit(request("left")))
+            stays = asyncio.ensure_future(batcher.submit(request("stays")))
+            await asyncio.sleep(0)
+            left.cancel()
+            await stays
+            with pytest.raises(JobNotFound):
+                await client.status("left")
+            await batcher.close()
+        gone = AsyncClient(redis=aredis.Redis(port=1, socket_connect_timeout=1), queue=queue)
+        batcher = submits.Submits(gone)
+        outs = await asyncio.gather(*(batcher.submit(request(f"g{i}")) for i in range(3)), return_exceptions=True)
+        assert all(isinstance(o, redis.exceptions.ConnectionError) for o in outs)
+
+    asyncio.run(scenario())
