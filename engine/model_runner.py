@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
 
 import numpy as np
@@ -83,6 +84,7 @@ class ModelRunner:
         self.max_model_len = config.max_model_len or model_max
         self.ranks = None  # rank 0's handle on the other ranks of its host (engine.tp_worker.Ranks)
         self._threads = torch.get_num_threads()
+        self._cores: set[int] | None = None  # the CPU affinity before rank 0 was pinned
         self.shard = shard or self._start_replica(folder)
         try:
             self._build(folder)
@@ -160,11 +162,14 @@ class ModelRunner:
         heads = hf.num_attention_heads
         split_heads(heads, getattr(hf, "num_key_value_heads", None) or heads, size, 0)
         Shard(0, size).span(hf.intermediate_size, "intermediate (MLP) features")
-        from engine.tp_worker import Ranks, cpu_threads, local_ranks
+        from engine.tp_worker import Ranks, local_ranks, pin
 
-        if self.device.type == "cpu":
-            torch.set_num_threads(cpu_threads(config))
         self.ranks = Ranks(config, folder, local_ranks(config)[1:])
+        if self.device.type == "cpu":
+            # After the ranks started (they would inherit it); close() gives the cores back, for the process may
+            # outlive the replica.
+            self._cores = os.sched_getaffinity(0)
+            pin(config, local_ranks(config).start)
         atexit.register(self.close)  # before multiprocessing's own handler ends them, which the watchdog would see
         return Shard(0, size, self.ranks.init_method, config.device, before_join=self.ranks.wait_ready,
                      on_peer_lost=self.ranks.peer_lost)
@@ -180,6 +185,8 @@ class ModelRunner:
         self.ranks = None
         self.shard.leave()
         torch.set_num_threads(self._threads)
+        if self._cores is not None:
+            os.sched_setaffinity(0, self._cores)
 
     def use_padded_decode(self, capture: bool) -> None:
         """Run decode-only steps through padded static buffers; capture: also as CUDA graphs (CUDA only).

@@ -59,8 +59,11 @@ def test_two_ranks_greedy_equal_one_device(tiny_model, arch, kv_heads, full, nod
                                  "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", parallel["dist_init_addr"],
                                  *(f"--{k.replace('_', '-')}={v}" for k, v in CONFIG.items())])
     one = run_scenarios(LLMEngine(EngineConfig(model=path, **CONFIG)), full)
+    cores = os.sched_getaffinity(0)
     engine = LLMEngine(EngineConfig(model=path, **parallel, **CONFIG))
     try:
+        if nodes == 1 and len(cores) >= 2:  # rank 0 on its half of the cores, rank 1 on the other
+            assert os.sched_getaffinity(0) == set(sorted(cores)[: len(cores) // 2])
         attn = engine.runner.model.model.layers[0].self_attn
         assert (attn.num_heads, attn.num_kv_heads) == (2, 1)  # this rank's share of 4 heads and 2 (or 1) KV heads
         two = run_scenarios(engine, full)
@@ -69,6 +72,7 @@ def test_two_ranks_greedy_equal_one_device(tiny_model, arch, kv_heads, full, nod
         assert shard.comm_s["shm_all_reduce" if nodes == 1 else "all_reduce"] > 0
     finally:
         engine.close()
+    assert os.sched_getaffinity(0) == cores  # given back: the process outlives the replica
     assert (one[2] > 0 and two[2] > 0) or not full  # both preempted
     assert two[:2] == one[:2]
     if node is not None:
