@@ -7,7 +7,8 @@ The sources (EngineConfig.quantization):
 - "auto", an AWQ or GPTQ safetensors checkpoint: its group-wise integers, also losslessly
   (engine.quantized_checkpoint); an act-order layer keeps the float path, and the log says which;
 - "int8": weight-only int8, one scale per output column, made at load from the float weights of any model;
-- "int4": weight-only asymmetric 4-bit per block of 32 inputs (round to nearest), made at load likewise.
+- "int4": weight-only asymmetric 4-bit per block of 32 inputs (round to nearest), made at load likewise (lm_head
+  int8).
 Either way the layer multiplies with kernels/cpu_quant.cpp (AVX-512 VNNI, activations quantized per row and block to
 int8). A fused layer (qkv, gate_up) whose parts differ in format takes the widest of their layouts, still exactly.
 """
@@ -107,14 +108,21 @@ def read_gguf(path: Path, config) -> tuple[dict[str, tuple[Blocks, str]], dict[s
     return found, skipped
 
 
-MADE_AT_LOAD = {"int8": quant_layout.int8_per_channel, "int4": quant_layout.int4_groups}
+MAKERS = {"int8": quant_layout.int8_per_channel, "int4": quant_layout.int4_groups}
+# mode -> (the body's format, lm_head's). 4-bit logits cost most of int4's perplexity (README, "Perplexity"), so
+# int4 keeps lm_head at int8, as llama.cpp's 4-bit files keep output.weight at 6 or 8 bits and AWQ/GPTQ leave it float.
+MADE_AT_LOAD = {"int8": ("int8", "int8"), "int4": ("int4", "int8")}
 
 
 def made_at_load(model: nn.Module, mode: str) -> dict[str, tuple[Blocks, str]]:
     """Weight-only `mode` ("int8" or "int4") of every linear layer with K a multiple of 32, made from its floats."""
-    make = MADE_AT_LOAD[mode]
-    return {name: (make(module.weight.detach().float().numpy()), mode) for name, module in model.named_modules()
-            if type(module) is nn.Linear and module.in_features % 32 == 0}
+    body, head = MADE_AT_LOAD[mode]
+    out = {}
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear and module.in_features % 32 == 0:
+            fmt = head if name == "lm_head" else body
+            out[name] = (MAKERS[fmt](module.weight.detach().float().numpy()), fmt)
+    return out
 
 
 def sources(model: nn.Module, mode: str, gguf: Path | None, folder: Path | None
