@@ -145,6 +145,8 @@ def quantize(model: nn.Module, mode: str, gguf: Path | None, backend, folder: Pa
     EngineConfig it comes from (and by check_mode against the checkpoint)."""
     kept = scheme(model.config)
     if mode == "none" or (mode == "auto" and gguf is None and kept is None):
+        if kept is not None:
+            log.info("%s checkpoint dequantized to float (quantization none)", kept.name)
         return []
     path = (getattr(backend, "linear_paths", None) or {}).get("quantized")
     if not path:
