@@ -151,15 +151,14 @@ def read_checkpoint(folder: Path, config) -> tuple[dict[str, tuple[Blocks, str]]
     for prefix, groups in layers(folder, s):
         module, _, leaf = prefix.rpartition(".")
         fused, index = LlamaForCausalLM.FUSED.get(leaf, (leaf, 0))
-        parts.setdefault(f"{module}.{fused}", {})[index] = groups.blocks()
+        parts.setdefault(f"{module}.{fused}" if module else fused, {})[index] = groups.blocks()
     found, skipped = {}, {}
     for name, by_index in parts.items():
         want = {"qkv_proj": 3, "gate_up_proj": 2}.get(name.rpartition(".")[2], 1)
-        if len(by_index) != want:
-            raise ValueError(f"{name}: {len(by_index)} of its {want} parts are quantized in the checkpoint; "
-                             "pagedq stacks them into one layer and needs all or none")
-        blocks = [by_index[i] for i in range(want)]
-        if any(b is None for b in blocks):
+        blocks = [by_index.get(i) for i in range(want)]
+        if len(by_index) != want:  # e.g. modules_to_not_convert names q_proj alone: one stacked layer, one layout
+            skipped[name] = f"{s.name}: only some of its parts are quantized in the checkpoint, dequantized to float"
+        elif any(b is None for b in blocks):
             skipped[name] = why_float(s)
         else:
             found[name] = (blocks[0] if want == 1 else common(blocks), s.name)

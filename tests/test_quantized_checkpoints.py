@@ -370,3 +370,26 @@ def test_bad_checkpoints_fail_clearly(checkpoints, tmp_path):
     save_file(state, str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match="down_proj.scales is missing"):
         engine(folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config["quantization_config"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="a quantized checkpoint's tensor, but config.json has no quantization_config"):
+        engine(folder)
+
+
+def test_a_layer_quantized_in_part_runs_float(checkpoints, vnni, tmp_path):
+    """modules_to_not_convert may leave q_proj float beside quantized k/v: their stacked layer takes the float path."""
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / "partial"
+    shutil.copytree(checkpoints("awq-g64") / "quant", folder)
+    state = load_file(str(folder / "model.safetensors"))
+    q = "model.layers.0.self_attn.q_proj"
+    for suffix in ("qweight", "qzeros", "scales"):
+        del state[f"{q}.{suffix}"]
+    state[f"{q}.weight"] = load_file(str(checkpoints("awq-g64") / "float" / "model.safetensors"))[f"{q}.weight"]
+    save_file(state, str(folder / "model.safetensors"))
+    paths = {r.name: r.path for r in engine(folder).runner.quantized}
+    assert paths["model.layers.0.self_attn.qkv_proj"] == ("float (AWQ 4-bit g64: only some of its parts are "
+                                                          "quantized in the checkpoint, dequantized to float)")
+    assert paths["model.layers.1.self_attn.qkv_proj"] == "avx512_vnni"

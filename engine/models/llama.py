@@ -319,12 +319,17 @@ class LlamaForCausalLM(nn.Module):
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                    if quantized and name.rpartition(".")[2] in SUFFIXES:
-                        continue  # below, dequantized
+                    if name.rpartition(".")[2] in SUFFIXES:  # a quantized linear's, never a float model's
+                        if quantized:
+                            continue  # below, dequantized
+                        raise ValueError(f"{name} in {file.name}: a quantized checkpoint's tensor, but config.json has "
+                                         "no quantization_config (an AutoGPTQ/AutoAWQ quantize_config.json beside it "
+                                         "is not read): add it to config.json as transformers writes it")
                     loaded.add(self._load(params, name, f.get_slice(name), file.name))
         if quantized:  # AWQ/GPTQ linears as float, exactly (engine.quantized_linear keeps them quantized where it can)
             for name, weight in dequantized(folder, quantized):
-                loaded.add(self._load(params, name, weight, f"the {quantized.name} checkpoint", exact=True))
+                loaded.add(self._load(params, name, weight, f"the {quantized.name} checkpoint",
+                                      exact=not name.startswith("lm_head.")))
         expected = {f"{n}#{s}" for n in params for s in self._shards_of(n)}
         if self.tied:
             expected = {e for e in expected if not e.startswith("lm_head.")}
