@@ -48,7 +48,7 @@ def layers(name, quantization, dtype) -> None:
                                engine.runner.backend.describe())
                    for n, m in engine.runner.model.named_modules() if _is_linear(m)]
     for r in reports:
-        click.echo(f"{r.name:40s} {r.format:10s} {r.nbytes / 2**20:8.2f} MiB  {r.path}")
+        click.echo(f"{r.name:40s} {r.format:16s} {r.nbytes / 2**20:8.2f} MiB  {r.path}")
     click.echo(summary(reports))
 
 

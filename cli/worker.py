@@ -32,8 +32,9 @@ LIMIT_OPTIONS = {"max_prompt_chars": "max_prompt_chars", "max_tokens_limit": "ma
                    "default: float32 on cpu, bfloat16 on cuda")
 @click.option("--quantization", envvar="PAGEDQ_QUANTIZATION", type=click.Choice(QUANTIZATIONS),
               default=default_of(EngineConfig, "quantization"), show_default=True,
-              help="CPU: auto keeps a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights quantized in memory; none dequantizes "
-                   "them to float; int8 makes weight-only int8 of any model's float weights")
+              help="CPU: auto keeps a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights, or an AWQ/GPTQ checkpoint's, quantized "
+                   "in memory; none dequantizes them to float; int8 (per channel) and int4 (groups of 32) make "
+                   "weight-only integers of any float model's weights")
 @click.option("--max-num-seqs", envvar="PAGEDQ_MAX_NUM_SEQS", type=int, default=default_of(EngineConfig, "max_num_seqs"),
               help="Sequences in one batch; default by device: 256")
 @click.option("--max-num-batched-tokens", envvar="PAGEDQ_MAX_NUM_BATCHED_TOKENS", type=int,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 DTYPES = ("float32", "bfloat16", "float16")
 AUTO = "auto"  # bfloat16 on CUDA and on CPUs with bfloat16 matmul units (AVX-512 BF16, AMX); float32 elsewhere
 BACKENDS = ("auto", "torch", "cpu", "triton")
-QUANTIZATIONS = ("auto", "none", "int8")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 # (max_num_seqs, max_num_batched_tokens) by device. CPU: measured with `pagedq bench` (README, "vLLM as a peer"): a
 # decode step reads every weight once whatever the batch, so more sequences per step amortize that read (mixed:
 # +19% from 64 to 256 sequences); a step is a few hundred ms, so 4,096 tokens keep prefill chunks in step with it.
@@ -41,8 +41,9 @@ class EngineConfig:
     # CPU, bfloat16: linear weights reordered once at load, for AMX tiles (engine.packed_linear.TileLinear) or else
     # oneDNN; faster.
     prepack_weights: bool = True
-    # CPU: "auto" keeps a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights quantized in memory (engine.quantized_linear);
-    # "none" dequantizes them to float; "int8" makes weight-only per-channel int8 of any model's float weights.
+    # CPU: "auto" keeps a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights, or an AWQ/GPTQ checkpoint's, quantized in memory
+    # (engine.quantized_linear); "none" dequantizes them to float; "int8" makes weight-only per-channel int8 of any
+    # float model's weights, "int4" group-wise 4-bit (blocks of 32, round to nearest).
     quantization: str = "auto"
     # Schedule and launch step N+1 while step N is still on the device (N's tokens fed to it there), so that all
     # host work of a step runs during a forward (LLMEngine.step). None: on for CUDA, where a forward runs
@@ -100,9 +101,10 @@ class EngineConfig:
             raise ValueError("ranks on several hosts need dist_init_addr (host:port of node 0's rendezvous)")
         if self.cpu_threads_per_rank is not None and self.cpu_threads_per_rank < 1:
             raise ValueError(f"cpu_threads_per_rank must be >= 1, got {self.cpu_threads_per_rank}")
-        if size > 1 and self.quantization == "int8":
+        if size > 1 and self.quantization in ("int8", "int4"):
             # Quantized panels are made from whole rows; the ranks load slices (engine.model_runner).
-            raise ValueError("quantization int8 does not combine with tensor parallelism yet: give one or the other")
+            raise ValueError(f"quantization {self.quantization} does not combine with tensor parallelism yet: give one "
+                             "or the other")
         if size > 1:
             # The other ranks take a step's input ids from its message, not from the device: no overlap yet.
             if self.overlap_steps:

@@ -21,7 +21,8 @@ from engine.loader import cache_root, gguf_source
 from engine.models.llama import SUPPORTED_ARCHS, AttnContext, LlamaForCausalLM
 from engine.packed_linear import PanelLinear, pack_linears
 from engine.parallel import Shard, split_heads
-from engine.quantized_linear import quantize, summary
+from engine.quantized_checkpoint import scheme
+from engine.quantized_linear import check_mode, quantize, summary
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import SchedulerOutput
 from engine.staging import Staging
@@ -74,6 +75,7 @@ class ModelRunner:
                 f"model architecture {archs[0] if archs else hf_config.model_type!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHS)}"
             )
+        check_mode(config.quantization, hf_config)
         self.hf_config = hf_config
         model_max = int(getattr(hf_config, "max_position_embeddings", 4096))
         window = getattr(hf_config, "sliding_window", None)
@@ -113,14 +115,20 @@ class ModelRunner:
         if self.backend.layers is not None:
             self.model.use_fast_layers(self.backend.layers)
         self.quantized = []  # engine.quantized_linear.LayerReport per linear layer, where any is quantized
+        kept = scheme(hf_config)  # an AWQ/GPTQ checkpoint: load_weights dequantized its linears to float
         if self.device.type == "cpu" and self.shard.parallel:
             # A GGUF's blocks are laid out for whole rows; the ranks load slices of its float conversion instead.
-            if config.quantization == "auto" and gguf_source(config.model) is not None:
-                log.info("tensor parallelism: the GGUF's weights are dequantized (quantized shards are not there yet)")
+            if config.quantization == "auto" and (kept or gguf_source(config.model)):
+                log.info("tensor parallelism: the %s weights are dequantized (quantized shards are not there yet)",
+                         kept.name if kept else "GGUF")
         elif self.device.type == "cpu":
-            self.quantized = quantize(self.model, config.quantization, gguf_source(config.model), self.backend)
+            self.quantized = quantize(self.model, config.quantization, gguf_source(config.model), self.backend,
+                                      folder)
             if self.quantized:
                 log.info("weights kept quantized: %s", summary(self.quantized))
+        elif kept:
+            log.info("%s checkpoint dequantized to float on %s (no quantized kernel there yet)", kept.name,
+                     self.device)
         if self.device.type == "cpu" and config.prepack_weights:
             log.info("prepacked %d linear layers", pack_linears(self.model, config.max_num_seqs, self.backend))
         log.info("kernels: %s", self.backend.describe())

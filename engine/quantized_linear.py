@@ -1,10 +1,14 @@
 """Linear layers whose weights stay quantized in memory, swapped in after a CPU model has loaded its float weights.
 
-Two sources (EngineConfig.quantization):
+The sources (EngineConfig.quantization):
 - "auto", a GGUF model: every linear layer whose GGUF tensors are Q8_0, Q4_0, Q4_1, Q4_K or Q6_K keeps the file's
   blocks (repacked losslessly, kernels/quant_layout.py); a layer with a tensor of another type keeps the float path,
   and the log says which;
-- "int8": weight-only int8, one scale per output column, made at load from the float weights of any model.
+- "auto", an AWQ or GPTQ safetensors checkpoint: its group-wise integers, also losslessly
+  (engine.quantized_checkpoint); an act-order layer keeps the float path, and the log says which;
+- "int8": weight-only int8, one scale per output column, made at load from the float weights of any model;
+- "int4": weight-only asymmetric 4-bit per block of 32 inputs (round to nearest), made at load likewise (lm_head
+  int8).
 Either way the layer multiplies with kernels/cpu_quant.cpp (AVX-512 VNNI, activations quantized per row and block to
 int8). A fused layer (qkv, gate_up) whose parts differ in format takes the widest of their layouts, still exactly.
 """
@@ -21,6 +25,7 @@ from torch import nn
 
 from engine import gguf_index
 from engine.packed_linear import PanelLinear
+from engine.quantized_checkpoint import read_checkpoint, scheme
 from kernels import quant_layout
 from kernels.quant_layout import Blocks
 
@@ -36,7 +41,7 @@ class LayerReport:
     """What one linear layer runs as: its format, the bytes its weights take, and the path."""
 
     name: str
-    format: str  # "Q4_1", "Q8_0", "int8", "Q4_K+Q6_K", or a float dtype where it was not quantized
+    format: str  # "Q4_1", "Q8_0", "int8", "Q4_K+Q6_K", "AWQ 4-bit g128", or a float dtype where it is not quantized
     nbytes: int
     path: str  # "avx512_vnni", or why it kept the float path
 
@@ -101,45 +106,90 @@ def read_gguf(path: Path, config) -> tuple[dict[str, tuple[Blocks, str]], dict[s
     return found, skipped
 
 
-def int8_blocks(model: nn.Module) -> dict[str, tuple[Blocks, str]]:
-    """Weight-only per-output-channel int8 of every linear layer with K a multiple of 32."""
+MAKERS = {"int8": quant_layout.int8_per_channel, "int4": quant_layout.int4_groups}
+# mode -> (the body's format, lm_head's). 4-bit logits cost most of int4's perplexity (README, "Perplexity"), so
+# int4 keeps lm_head at int8, as llama.cpp's 4-bit files keep output.weight at 6 or 8 bits and AWQ/GPTQ leave it float.
+MADE_AT_LOAD = {"int8": ("int8", "int8"), "int4": ("int4", "int8")}
+
+
+def made_at_load(model: nn.Module, mode: str) -> dict[str, tuple[Blocks, str]]:
+    """Weight-only `mode` ("int8" or "int4") of every linear layer with K a multiple of 32, made from its floats."""
+    body, head = MADE_AT_LOAD[mode]
     out = {}
     for name, module in model.named_modules():
         if type(module) is nn.Linear and module.in_features % 32 == 0:
-            out[name] = (quant_layout.int8_per_channel(module.weight.detach().float().numpy()), "int8")
+            fmt = head if name == "lm_head" else body
+            out[name] = (MAKERS[fmt](module.weight.detach().float().numpy()), fmt)
     return out
 
 
-def quantize(model: nn.Module, mode: str, gguf: Path | None, backend) -> list[LayerReport]:
+def sources(model: nn.Module, mode: str, gguf: Path | None, folder: Path | None
+            ) -> tuple[dict[str, tuple[Blocks, str]], dict[str, str]]:
+    """The model's quantized linear layers for `mode` -> ({module: (Blocks, format)}, {module: why it stays float}).
+    The form every consumer of Blocks takes (this CPU swap; a GPU one)."""
+    if mode in MADE_AT_LOAD:
+        return made_at_load(model, mode), {}
+    if gguf is not None:
+        found, skipped = read_gguf(gguf, model.config)
+        return found, {name: f"GGUF tensor type {kinds} has no quantized kernel" for name, kinds in skipped.items()}
+    return read_checkpoint(folder, model.config)
+
+
+def quantize(model: nn.Module, mode: str, gguf: Path | None, backend, folder: Path | None = None
+             ) -> list[LayerReport]:
     """Swap the model's linear layers for QuantLinear where `mode` and the source allow it -> a report per linear
-    layer (quantized or not). Does nothing (an empty report) where mode is "none", or "auto" without a GGUF. `mode`:
-    one of engine.config.QUANTIZATIONS, checked by the EngineConfig it comes from."""
-    if mode == "none" or (mode == "auto" and gguf is None):
+    layer (quantized or not). Does nothing (an empty report) where mode is "none", or "auto" on a float model (no
+    GGUF, and `folder` not an AWQ/GPTQ checkpoint). `mode`: one of engine.config.QUANTIZATIONS, checked by the
+    EngineConfig it comes from (and by check_mode against the checkpoint)."""
+    kept = scheme(model.config)
+    if mode == "none" or (mode == "auto" and gguf is None and kept is None):
+        if kept is not None:
+            log.info("%s checkpoint dequantized to float (quantization none)", kept.name)
         return []
     path = (getattr(backend, "linear_paths", None) or {}).get("quantized")
     if not path:
         why = backend.fallback or ("this CPU has no AVX-512 VNNI" if backend.name == "cpu"
                                    else f"the {backend.name} backend has no quantized kernel")
-        if mode == "int8":
-            raise ValueError(f"quantization='int8' cannot run here: {why}")
-        log.warning("GGUF weights dequantized to float (no quantized kernel here: %s)", why)
+        if mode in MADE_AT_LOAD:
+            raise ValueError(f"quantization={mode!r} cannot run here: {why}")
+        log.warning("%s weights dequantized to float (no quantized kernel here: %s)",
+                    "GGUF" if gguf is not None else kept.name, why)
         return []
-    found, skipped = read_gguf(gguf, model.config) if mode == "auto" else (int8_blocks(model), {})
+    found, skipped = sources(model, mode, gguf, folder)
     modules = dict(model.named_modules())
-    reports = []
-    for name, (blocks, fmt) in found.items():
-        old = modules[name]
-        new = QuantLinear(blocks, old.bias, backend.linears, fmt)
-        parent, _, child = name.rpartition(".")
-        setattr(modules[parent] if parent else model, child, new)
-        reports.append(LayerReport(name, fmt, new.packed.numel(), path))
-        log.debug("%s: %s kept quantized, %d bytes, %s", name, fmt, new.packed.numel(), path)
-    for name, kinds in skipped.items():
-        weight = modules[name].weight
-        reports.append(LayerReport(name, str(weight.dtype).removeprefix("torch."), weight.numel() * weight.element_size(),
-                                   f"float (GGUF tensor type {kinds} has no quantized kernel)"))
-        log.info("%s stays float: its GGUF tensors are %s, which pagedq does not run quantized", name, kinds)
+    reports = [_swap(modules, name, blocks, fmt, backend, path) for name, (blocks, fmt) in found.items()]
+    for name, why in skipped.items():
+        reports.append(_float_report(name, modules[name], why))
+        log.info("%s stays float: %s", name, why)
+    if kept is not None:  # the layers the checkpoint itself keeps float (lm_head, modules_to_not_convert)
+        done = {r.name for r in reports}
+        reports += [_float_report(name, m, "not quantized in the checkpoint") for name, m in model.named_modules()
+                    if type(m) is nn.Linear and name not in done]
     return reports
+
+
+def _swap(modules: dict[str, nn.Module], name: str, blocks: Blocks, fmt: str, backend, path: str) -> LayerReport:
+    """Put a QuantLinear of `blocks` in place of module `name` (modules: the model's, by name; "" the model)."""
+    new = QuantLinear(blocks, modules[name].bias, backend.linears, fmt)
+    parent, _, child = name.rpartition(".")
+    setattr(modules[parent], child, new)
+    log.debug("%s: %s kept quantized, %d bytes, %s", name, fmt, new.packed.numel(), path)
+    return LayerReport(name, fmt, new.packed.numel(), path)
+
+
+def _float_report(name: str, module: nn.Module, why: str) -> LayerReport:
+    weight = module.weight
+    return LayerReport(name, str(weight.dtype).removeprefix("torch."), weight.numel() * weight.element_size(),
+                       f"float ({why})")
+
+
+def check_mode(mode: str, config) -> None:
+    """Refuse a mode that makes its own integers from an AWQ/GPTQ checkpoint's (re-quantizing quantized weights),
+    before anything loads; a bad quantization_config fails here too."""
+    kept = scheme(config)
+    if kept is not None and mode in MADE_AT_LOAD:
+        raise ValueError(f"quantization={mode!r} quantizes float weights, but this checkpoint is {kept.name} already: "
+                         "give quantization 'auto' (run it as stored) or 'none' (dequantized to float)")
 
 
 def summary(reports: list[LayerReport]) -> str:

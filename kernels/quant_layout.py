@@ -167,6 +167,19 @@ def int8_per_channel(weight: np.ndarray) -> Blocks:
     return Blocks((q + 128).astype(np.uint8), s, -128 * s, 8, 32)
 
 
+def int4_groups(weight: np.ndarray) -> Blocks:
+    """Weight-only asymmetric 4-bit made from float weights [N, K], as Q4_1 but with float32 scales and mins: per
+    row and block of 32 inputs, min the block's least weight, scale (max - min) / 15, u = round((w - min) / scale).
+    Round to nearest, no calibration; K a multiple of 32."""
+    n, k = weight.shape
+    w = weight.astype(np.float32).reshape(n, k // 32, 32)
+    low = w.min(axis=2)
+    scale = (w.max(axis=2) - low) / 15
+    safe = np.where(scale > 0, scale, 1)  # a constant block: every u 0, the min alone
+    u = np.clip(np.rint((w - low[..., None]) / safe[..., None]), 0, 15).astype(np.uint8)
+    return Blocks(u.reshape(n, k), scale, low, 4, 32)
+
+
 def pack(blocks: Blocks) -> np.ndarray:
     """[ceil(N / 16), bytes a panel] uint8 in kernels/cpu_quant.cpp's layout; rows past N are zeros."""
     n, k = blocks.u.shape

@@ -308,6 +308,9 @@ class LlamaForCausalLM(nn.Module):
         rank's memory holds its shard, never the whole model."""
         from safetensors import safe_open
 
+        from engine.quantized_checkpoint import SUFFIXES, dequantized, scheme
+
+        quantized = scheme(self.config)
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         files = sorted(Path(folder).glob("*.safetensors"))
@@ -316,29 +319,45 @@ class LlamaForCausalLM(nn.Module):
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                    if "rotary_emb" in name:
-                        continue
-                    if name == "lm_head.weight" and self.tied:
-                        continue
-                    target, shard = self._target(name)
-                    if target not in params:
-                        raise ValueError(f"unexpected weight {name!r} in {file.name}")
-                    param = params[target]
-                    tensor = self._read_slice(f.get_slice(name), name)
-                    with torch.no_grad():
-                        dest = param if shard is None else param[self._shard_slice(target, shard)]
-                        if tensor is None or tensor.shape != dest.shape:  # none here, or the vocab's padding rows
-                            dest.zero_()
-                        if tensor is not None:
-                            dest[: tensor.shape[0]].copy_(tensor)
-                            self.bytes_read += tensor.numel() * tensor.element_size()
-                    loaded.add(f"{target}#{shard}")
+                    if name.rpartition(".")[2] in SUFFIXES:  # a quantized linear's, never a float model's
+                        if quantized:
+                            continue  # below, dequantized
+                        raise ValueError(f"{name} in {file.name}: a quantized checkpoint's tensor, but config.json has "
+                                         "no quantization_config (an AutoGPTQ/AutoAWQ quantize_config.json beside it "
+                                         "is not read): add it to config.json as transformers writes it")
+                    loaded.add(self._load(params, name, f.get_slice(name), file.name))
+        if quantized:  # AWQ/GPTQ linears as float, exactly (engine.quantized_linear keeps them quantized where it can)
+            for name, weight in dequantized(folder, quantized):
+                loaded.add(self._load(params, name, weight, f"the {quantized.name} checkpoint",
+                                      exact=not name.startswith("lm_head.")))
         expected = {f"{n}#{s}" for n in params for s in self._shards_of(n)}
         if self.tied:
             expected = {e for e in expected if not e.startswith("lm_head.")}
         missing = expected - loaded
         if missing:
             raise ValueError(f"weights missing from {folder}: {sorted(missing)[:5]}")
+
+    def _load(self, params: dict, name: str, weight, source: str, exact: bool = False) -> str:
+        """Copy this rank's part of checkpoint tensor `name` (a safetensors slice, or a tensor) into its parameter ->
+        the part loaded ("" for none). exact: the shape must match (a dequantized linear), where elsewhere a
+        checkpoint's vocab may be padded."""
+        if "rotary_emb" in name or (name == "lm_head.weight" and self.tied):
+            return ""
+        target, shard = self._target(name)
+        if target not in params:
+            raise ValueError(f"unexpected weight {name!r} in {source}")
+        param = params[target]
+        tensor = self._read_slice(weight, name)
+        with torch.no_grad():
+            dest = param if shard is None else param[self._shard_slice(target, shard)]
+            if exact and tensor is not None and tensor.shape != dest.shape:
+                raise ValueError(f"{name} in {source} is {list(tensor.shape)}, the model's {list(dest.shape)}")
+            if tensor is None or tensor.shape != dest.shape:  # none here, or the vocab's padding rows
+                dest.zero_()
+            if tensor is not None:
+                dest[: tensor.shape[0]].copy_(tensor)
+                self.bytes_read += tensor.numel() * tensor.element_size()
+        return f"{target}#{shard}"
 
     def _read_slice(self, weight, name: str) -> torch.Tensor | None:
         """This rank's part of checkpoint tensor `name` (a safetensors slice): rows of a column-parallel weight,
