@@ -100,7 +100,7 @@ class ModelRunner:
             # A GGUF's blocks are laid out for whole rows; the ranks load slices of its float conversion instead.
             if config.quantization == "auto" and gguf_source(config.model) is not None:
                 log.info("tensor parallelism: the GGUF's weights are dequantized (quantized shards are not there yet)")
-        elif self.device.type == "cpu":
+        elif not self.shard.parallel:  # a CPU's kernels, or the triton backend's on a GPU
             self.quantized = quantize(self.model, config.quantization, gguf_source(config.model), self.backend)
             if self.quantized:
                 log.info("weights kept quantized: %s", summary(self.quantized))

@@ -7,6 +7,7 @@ Two sources (EngineConfig.quantization):
 - "int8": weight-only int8, one scale per output column, made at load from the float weights of any model.
 Either way the layer multiplies with kernels/cpu_quant.cpp (AVX-512 VNNI, activations quantized per row and block to
 int8). A fused layer (qkv, gate_up) whose parts differ in format takes the widest of their layouts, still exactly.
+On the triton backend (GPU) the same layers run kernels/triton_quant.py's dequantize-matmul instead.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class QuantLinear(PanelLinear):
         self.out_features, self.in_features = blocks.u.shape
         self.activates = False
         self.format = fmt
+        self.nbytes = self.packed.numel()
 
 
 def common(parts: list[Blocks]) -> Blocks:
@@ -108,7 +110,7 @@ def int8_blocks(model: nn.Module) -> dict[str, tuple[Blocks, str]]:
     out = {}
     for name, module in model.named_modules():
         if type(module) is nn.Linear and module.in_features % 32 == 0:
-            out[name] = (quant_layout.int8_per_channel(module.weight.detach().float().numpy()), "int8")
+            out[name] = (quant_layout.int8_per_channel(module.weight.detach().float().cpu().numpy()), "int8")
     return out
 
 
@@ -131,11 +133,16 @@ def quantize(model: nn.Module, mode: str, gguf: Path | None, backend) -> list[La
     reports = []
     for name, (blocks, fmt) in found.items():
         old = modules[name]
-        new = QuantLinear(blocks, old.bias, backend.linears, fmt)
+        if path == "triton":  # imported here: a CPU install may have no triton
+            from kernels.triton_quant import TritonQuantLinear
+
+            new = TritonQuantLinear(blocks, old.bias, fmt, old.weight.device)
+        else:
+            new = QuantLinear(blocks, old.bias, backend.linears, fmt)
         parent, _, child = name.rpartition(".")
         setattr(modules[parent] if parent else model, child, new)
-        reports.append(LayerReport(name, fmt, new.packed.numel(), path))
-        log.debug("%s: %s kept quantized, %d bytes, %s", name, fmt, new.packed.numel(), path)
+        reports.append(LayerReport(name, fmt, new.nbytes, path))
+        log.debug("%s: %s kept quantized, %d bytes, %s", name, fmt, new.nbytes, path)
     for name, kinds in skipped.items():
         weight = modules[name].weight
         reports.append(LayerReport(name, str(weight.dtype).removeprefix("torch."), weight.numel() * weight.element_size(),
