@@ -21,7 +21,8 @@ Two launch shapes of one kernel:
   the GPU twice over (132 SMs on an H200): a matrix-vector product is memory-bound, and N / BLOCK_N programs alone
   leave most SMs idle for a small model. Splits write float32 partials that torch sums (deterministic, no atomics).
 - prefill: 64 x 64 tiles over M and N, K in steps of 64, bias and the cast in the epilogue.
-Every tl.dot has K = 64 (Hopper needs K >= 16). Launch choices depend on shapes only: no host sync.
+float32 inputs take smaller tiles (`tiles`). Every tl.dot has K = 32 or 64 (Hopper needs K >= 16). A tile's scales
+and mins are loaded once per block and repeated in registers. Launch choices depend on shapes only: no host sync.
 """
 
 from __future__ import annotations
@@ -40,15 +41,23 @@ from kernels.triton_ops import _num_sms
 
 DECODE_ROWS = 16  # rows up to which the split-K decode shape runs
 MAX_SPLITS = 16
-DECODE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
-PREFILL = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
+
 
 
 @triton.jit
-def _weights(u_ptr, s_ptr, m_ptr, offs_k, offs_n, N, K, stride_u, stride_s, BITS: tl.constexpr,
-             GROUP: tl.constexpr):
-    """The float32 weights of a tile as W.T's [len(offs_k), len(offs_n)]; zeros outside N x K."""
-    k = offs_k[:, None]
+def _per_input(ptr, ok, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A tile's scales (or mins), loaded once per block [BLOCK_K / GROUP, BLOCK_N] and repeated to every input of
+    the block [BLOCK_K, BLOCK_N] in registers."""
+    v = tl.load(ptr, mask=ok, other=0.0).to(tl.float32)
+    return tl.reshape(tl.broadcast_to(v[:, None, :], (BLOCK_K // GROUP, GROUP, BLOCK_N)), (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
+def _weights(u_ptr, s_ptr, m_ptr, k0, offs_n, N, K, stride_u, stride_s, BITS: tl.constexpr, GROUP: tl.constexpr,
+             BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The float32 weights of inputs k0 .. k0 + BLOCK_K (k0 a multiple of BLOCK_K, itself of GROUP) as W.T's
+    [BLOCK_K, BLOCK_N] tile; zeros outside N x K."""
+    k = k0 + tl.arange(0, BLOCK_K)[:, None]
     n = offs_n[None, :].to(tl.int64)  # n * stride overflows int32 in a large lm_head
     ok = (k < K) & (n < N)
     if BITS == 4:
@@ -57,9 +66,11 @@ def _weights(u_ptr, s_ptr, m_ptr, offs_k, offs_n, N, K, stride_u, stride_s, BITS
         u = (byte >> ((k % 2) * 4)) & 15
     else:
         u = tl.load(u_ptr + n * stride_u + k, mask=ok, other=0).to(tl.int32)
-    at = n * stride_s + k // GROUP
-    s = tl.load(s_ptr + at, mask=ok, other=0.0).to(tl.float32)
-    m = tl.load(m_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    kb = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)[:, None]
+    at = n * stride_s + kb
+    okb = (kb * GROUP < K) & (n < N)  # K is a multiple of GROUP: a block is all in or all out
+    s = _per_input(s_ptr + at, okb, GROUP, BLOCK_K, BLOCK_N)
+    m = _per_input(m_ptr + at, okb, GROUP, BLOCK_K, BLOCK_N)
     return u.to(tl.float32) * s + m
 
 
@@ -81,7 +92,8 @@ def _quant_matmul_kernel(
     for k0 in range(start, tl.minimum(start + k_span, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rows * stride_xm + offs_k[None, :], mask=(rows < M) & (offs_k[None, :] < K), other=0.0)
-        w = _weights(u_ptr, s_ptr, m_ptr, offs_k, offs_n, N, K, stride_u, stride_s, BITS, GROUP).to(x.dtype)
+        w = _weights(u_ptr, s_ptr, m_ptr, k0, offs_n, N, K, stride_u, stride_s, BITS, GROUP, BLOCK_K,
+                     BLOCK_N).to(x.dtype)
         if IEEE:
             acc += tl.dot(x, w, input_precision="ieee")
         else:
@@ -147,12 +159,22 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def splits_for(n: int, k: int, device: torch.device) -> tuple[int, int]:
+def tiles(decode: bool, wide: bool) -> dict:
+    """The launch's tile and warps: decode rows padded to 16 (tl.dot's minimum M), prefill 64 x 64; wide (float32
+    inputs, multiplied in IEEE float32 on the FMA units) takes half the K step, and half the rows in prefill, or
+    its prefill spills registers (tests/compile_triton.py's report). Every BLOCK_K is >= 16 and a multiple of 32."""
+    block_k = 32 if wide else 64
+    block_m = 16 if decode else 64 // (1 + wide)
+    return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=3)
+
+
+def splits_for(n: int, k: int, device: torch.device, wide: bool = False) -> tuple[int, int]:
     """(splits, K span of each, a multiple of BLOCK_K) of a decode launch: enough programs to fill the GPU twice."""
-    steps = triton.cdiv(k, DECODE["BLOCK_K"])
-    want = triton.cdiv(2 * _num_sms(device), triton.cdiv(n, DECODE["BLOCK_N"]))
+    t = tiles(True, wide)
+    steps = triton.cdiv(k, t["BLOCK_K"])
+    want = triton.cdiv(2 * _num_sms(device), triton.cdiv(n, t["BLOCK_N"]))
     per = triton.cdiv(steps, max(1, min(want, steps, MAX_SPLITS)))
-    return triton.cdiv(steps, per), per * DECODE["BLOCK_K"]
+    return triton.cdiv(steps, per), per * t["BLOCK_K"]
 
 
 def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -173,14 +195,13 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
     out = torch.empty(m, n, dtype=dtype, device=x.device)
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
-    consts = dict(BITS=w.bits, GROUP=w.block, HAS_BIAS=bias is not None, IEEE=x2.dtype == torch.float32)
+    wide = x2.dtype == torch.float32
+    consts = dict(BITS=w.bits, GROUP=w.block, HAS_BIAS=bias is not None, IEEE=wide)
     bias_arg = bias if bias is not None else w.scale  # never read without HAS_BIAS
-    if m <= DECODE_ROWS:
-        splits, span = splits_for(n, k, x.device)
-        cfg = DECODE
-        dest = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    else:
-        splits, span, cfg, dest = 1, k, PREFILL, out
+    decode = m <= DECODE_ROWS
+    cfg = tiles(decode, wide)
+    splits, span = splits_for(n, k, x.device, wide) if decode else (1, k)
+    dest = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), splits)
     _quant_matmul_kernel[grid](
         x2, w.u, w.scale, w.min, bias_arg, dest, m, n, k, span, x2.stride(0), w.u.stride(0), w.scale.stride(0),

@@ -136,11 +136,14 @@ def test_bfloat16_and_batched_inputs():
 def test_split_k_fills_the_gpu_and_covers_k():
     cpu = torch.device("cpu")  # the interpreter plans for an H200's 132 SMs
     for n, k in [(576, 576), (4096, 4096), (49152, 576), (64, 8192), (20, 64)]:
-        splits, span = triton_quant.splits_for(n, k, cpu)
-        programs = -(-n // triton_quant.DECODE["BLOCK_N"]) * splits
-        assert span % triton_quant.DECODE["BLOCK_K"] == 0 and (splits - 1) * span < k <= splits * span
-        assert splits <= triton_quant.MAX_SPLITS
-        assert programs >= 2 * 132 or splits == min(triton_quant.MAX_SPLITS, -(-k // 64))
+        for wide in (False, True):
+            splits, span = triton_quant.splits_for(n, k, cpu, wide)
+            t = triton_quant.tiles(True, wide)
+            columns, steps = -(-n // t["BLOCK_N"]), -(-k // t["BLOCK_K"])
+            assert span % t["BLOCK_K"] == 0 and (splits - 1) * span < k <= splits * span
+            assert splits <= triton_quant.MAX_SPLITS
+            # equal spans round the count down, never below half of what fills the GPU twice (or K allows)
+            assert 2 * columns * splits >= min(2 * 132, columns * min(steps, triton_quant.MAX_SPLITS))
 
 
 def test_per_block_dtype_is_float16_only_where_exact():
@@ -180,10 +183,15 @@ def test_triton_backend_advertises_the_quantized_path():
     assert "quantized: triton" in backend.describe()
 
 
-def test_engine_int8_on_the_triton_backend(tiny_model):
+def test_engine_int8_on_the_triton_backend(tiny_model, monkeypatch):
     """int8 weights kept quantized through the Triton kernel give the greedy tokens of the torch backend on the
     same weights dequantized to float32."""
     from torch import nn
+
+    # The interpreter spends ~10 ms a program: 1024 output columns a program, not 64, take the lm_head (49,152
+    # columns) from seconds a step to a fraction of one. The kernel's code is the same; the tests above run its tiles.
+    tiles = triton_quant.tiles
+    monkeypatch.setattr(triton_quant, "tiles", lambda decode, wide: {**tiles(decode, wide), "BLOCK_N": 1024})
 
     from engine import EngineConfig, LLMEngine, SamplingParams
     from engine.quantized_linear import int8_blocks
@@ -205,3 +213,32 @@ def test_engine_int8_on_the_triton_backend(tiny_model):
         linear.weight = nn.Parameter(torch.from_numpy(blocks.dequantize()), requires_grad=False)
     want = [o.token_ids for o in ref.generate(prompts, params)]
     assert [o.token_ids for o in engine.generate(prompts, params)] == want
+
+
+def test_every_variant_compiles_for_hopper(tmp_path):
+    # The interpreter accepts what Hopper's compiler may refuse: compile every launch quant_linear makes (layouts,
+    # dtypes, decode split or not, prefill with bias) for sm_90a as a launch specializes it; none may spill.
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    script = Path(__file__).with_name("compile_triton.py")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    report = tmp_path / "usage.json"
+    r = subprocess.run([sys.executable, str(script), "--arch", "90", "--kernels", "quant", "--json", str(report)],
+                       env=env, capture_output=True, text=True, timeout=600)
+    if "ptxas" in r.stdout + r.stderr and "not found" in r.stdout + r.stderr:
+        pytest.skip("Triton's ptxas is not available here")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    print(r.stdout)
+    rows = json.loads(report.read_text())
+    names = {row["variant"].split(" (")[0] for row in rows}
+    for bits, block in ((4, 32), (8, 32), (8, 16)):
+        for dt in ("bf16", "fp16", "fp32"):
+            for kind in ("split-K", "prefill"):
+                assert f"quant {kind:7s} {bits}-bit block {block} {dt}" in names
+    assert all(row["cp_async"] and row["hinted_args"] for row in rows)
+    assert not [row["variant"] for row in rows if row["spill_stores"] + row["spill_loads"]]
