@@ -104,6 +104,8 @@ class ModelRunner:
             self.quantized = quantize(self.model, config.quantization, gguf_source(config.model), self.backend)
             if self.quantized:
                 log.info("weights kept quantized: %s", summary(self.quantized))
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()  # the float weights they replaced: free for the KV cache's sizing
         if self.device.type == "cpu" and config.prepack_weights:
             log.info("prepacked %d linear layers", pack_linears(self.model, config.max_num_seqs, self.backend))
         log.info("kernels: %s", self.backend.describe())
