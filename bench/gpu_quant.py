@@ -137,7 +137,8 @@ def table_lines(q: dict) -> list[str]:
     """gpu-check's table lines of the quantized cases and timings."""
     bad = [f"{c['case']} {c.get('dtype', '')}" for c in q["cases"] if not c["ok"]]
     worst = max((c for c in q["cases"] if "rel_err" in c), key=lambda c: c["rel_err"], default=None)
-    lines = [f"quantized matmul: {len(q['cases'])} cases, {len(bad)} wrong" + (f" ({', '.join(bad[:4])})" if bad else "")
+    lines = [f"quantized matmul: {len(q['cases'])} cases, {len(bad)} wrong"
+             + (f" ({', '.join(bad[:4])})" if bad else "")
              + (f"; worst rel err {worst['rel_err']:.2g} ({worst['case']} {worst['dtype']})" if worst else "")]
     for t in q["timings"]:
         if "error" in t:

@@ -5,15 +5,16 @@ The layout (`QuantWeight`, made from kernels.quant_layout.Blocks: weight = scale
 - u, [N, K] uint8 for 8 bits; [N, K / 2] uint8 for 4 bits, input 2i in the low nibble and 2i + 1 in the high one.
   Rows are output columns and contiguous along K, so a tile's loads run along memory.
 - scale and min, [N, K / block], float16 where every value of the layer is exact in float16 (Q8_0, Q4_0 and Q4_1
-  store float16 d and m: 4.5 / 5 / 5 bits a weight) and float32 otherwise (Q4_K's and Q6_K's d times a 6- or 8-bit
-  scale, int8's float32 scale: 6 bits a weight at 4 bits, 10 at 8 bits in blocks of 16), so that no format loses a
-  bit to save a byte.
+  store float16 d and m: 9, 5 and 5 bits a weight in all) and float32 otherwise (Q4_K's and Q6_K's d times a 6- or
+  8-bit scale, int8's float32 scale: 6, 12 and 10 bits a weight), so that no format loses a bit to save a byte. The
+  price is over the files' own 8.5, 4.5, 5, 4.5 and 6.6 bits: a min stored beside every scale, and float32 scales.
 
 Rounding: the kernel computes u * scale + min in float32. For every GGUF format u * scale is exact in float32 (at
 most 24 significant bits: Q6_K's 6-bit u times float16 d times a 7-bit scale), so the weight equals
-Blocks.dequantize()'s bit for bit whether or not the compiler fuses the multiply-add; for int8 (any float32 scale) a fused multiply-add may differ by
-an ulp of float32. The weight is then rounded to x's dtype (float16/bfloat16; float32 keeps it) and multiplied on
-tensor cores with float32 sums: the result of F.linear(x, dequantized weight in x's dtype), up to summation order.
+Blocks.dequantize()'s bit for bit whether or not the compiler fuses the multiply-add; for int8 (any float32 scale)
+a fused multiply-add may differ by an ulp of float32. The weight is then rounded to x's dtype (float16/bfloat16;
+float32 keeps it) and multiplied on tensor cores with float32 sums: the result of F.linear(x, dequantized weight in
+x's dtype), up to summation order.
 float32 x multiplies in IEEE float32 (never TF32), as the attention kernels do.
 
 Two launch shapes of one kernel:
@@ -41,7 +42,6 @@ from kernels.triton_ops import _num_sms
 
 DECODE_ROWS = 16  # rows up to which the split-K decode shape runs
 MAX_SPLITS = 16
-
 
 
 @triton.jit

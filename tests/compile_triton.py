@@ -227,7 +227,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for H100/H200")
     ap.add_argument("--kernels", choices=("all", "attention", "quant"), default="all",
-                    help="the attention kernels (kernels.triton_ops), the quantized matmul (kernels.triton_quant), or both")
+                    help="the attention kernels (kernels.triton_ops), the quantized matmul (kernels.triton_quant), "
+                         "or both")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
