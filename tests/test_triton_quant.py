@@ -198,6 +198,7 @@ def test_engine_int8_on_the_triton_backend(tiny_model, monkeypatch):
 
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
     params = SamplingParams(max_tokens=6, temperature=0)
+    # not prepacked: the reference's F.linear must read the weights set below, not panels packed at load
     cfg = dict(model=tiny_model(), num_kv_blocks=32, max_num_seqs=4, prepack_weights=False)
     engine = LLMEngine(EngineConfig(**cfg, quantization="int8", attention_backend="triton"))
     layers = engine.runner.quantized
