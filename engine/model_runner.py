@@ -96,11 +96,11 @@ class ModelRunner:
         if self.backend.layers is not None:
             self.model.use_fast_layers(self.backend.layers)
         self.quantized = []  # engine.quantized_linear.LayerReport per linear layer, where any is quantized
-        if self.device.type == "cpu" and self.shard.parallel:
+        if self.shard.parallel:
             # A GGUF's blocks are laid out for whole rows; the ranks load slices of its float conversion instead.
             if config.quantization == "auto" and gguf_source(config.model) is not None:
                 log.info("tensor parallelism: the GGUF's weights are dequantized (quantized shards are not there yet)")
-        elif not self.shard.parallel:  # a CPU's kernels, or the triton backend's on a GPU
+        else:  # a CPU's kernels, or the triton backend's on a GPU
             self.quantized = quantize(self.model, config.quantization, gguf_source(config.model), self.backend)
             if self.quantized:
                 log.info("weights kept quantized: %s", summary(self.quantized))
