@@ -7,7 +7,9 @@ far it got):
    may change in the cache, padding rows' slot -1 included), attention is dense float64 attention over those
    expected caches. Decode, prefill, chunked and mixed batches, forced and automatic split-K, padding rows
    (seq_len 0) with split-K, a 40,000-block cache. Then what each compiled variant uses (registers, spills,
-   shared memory), as the GPU's driver loaded it.
+   shared memory), as the GPU's driver loaded it. And the quantized matmul (kernels/triton_quant.py, bench.gpu_quant):
+   every weight layout and dtype against a float64 matmul, its weights against Blocks.dequantize() bit for bit, and
+   decode-shaped timings against F.linear on bfloat16 weights (reported, never a target).
 2. bandwidth: decode attention, batch {1, 8, 64, 256} x context {512, 2048, 8192}, timed inside CUDA graphs over
    block tables that rotate through more memory than the L2 holds; K/V bytes read per second as a fraction of a
    device-to-device copy's bytes moved per second (read + write), also timed in a CUDA graph, in the same run.
@@ -57,7 +59,7 @@ from engine.loader import cache_root, resolve_model
 
 SECTIONS = ("kernels", "bandwidth", "graphs", "e2e", "tensor_parallel")  # cheapest first: they run in this order
 # seconds; ~5 minutes in all on an H200 (tensor_parallel runs only with --tensor-parallel-size above 1)
-BUDGETS = {"kernels": 75, "bandwidth": 40, "graphs": 75, "e2e": 100, "tensor_parallel": 120}
+BUDGETS = {"kernels": 105, "bandwidth": 40, "graphs": 75, "e2e": 100, "tensor_parallel": 120}
 OK, FAILED, USAGE, NO_GPU, SHORT = 0, 1, 2, 3, 4  # exit statuses
 # The command's options, once: `pagedq gpu-check` (bench.cli, click) and `python -m bench.gpu_check` (argparse,
 # where click is not installed) are made from them. (flag, default, help)
@@ -440,7 +442,12 @@ def check_kernels(device: str, budget: Budget, model: str = "", smoke: bool = Fa
         except Exception as e:  # noqa: BLE001 (a case that crashes is a wrong case; the others still run)
             out["cases"].append({"dtype": case.dtype, "case": case.name, "ok": False,
                                  "error": f"{type(e).__name__}: {e}", "traceback": _tail(e)})
-    out["ok"] = all(c["ok"] for c in out["cases"])
+    from bench.gpu_quant import check_quantized
+
+    quant = out["quantized"] = check_quantized(device, budget, smoke)  # kernels/triton_quant.py, the same budget
+    if quant.get("stopped"):
+        out["stopped"] = "; ".join(filter(None, [out.get("stopped"), f"quantized: {quant['stopped']}"]))
+    out["ok"] = all(c["ok"] for c in out["cases"]) and out["quantized"]["ok"]
     out["status"] = "failed" if not out["ok"] else "partial" if out.get("stopped") else "ok"
     out["compiled"] = compiled_resources()
     return out
@@ -451,10 +458,10 @@ def compiled_resources() -> list[dict] | dict:
     try:
         from triton.runtime.jit import JITFunction
 
-        from kernels import triton_ops
+        from kernels import triton_ops, triton_quant
 
         rows = []
-        for name, fn in vars(triton_ops).items():
+        for name, fn in [*vars(triton_ops).items(), *vars(triton_quant).items()]:
             if not isinstance(fn, JITFunction):
                 continue
             for caches in getattr(fn, "device_caches", {}).values():
@@ -932,6 +939,10 @@ def table(data: dict) -> str:
         spills = [c for c in k.get("compiled", []) if isinstance(c, dict) and c.get("spills")]
         if spills:
             lines.append(f"compiled variants that spill: {len(spills)} (see kernels.compiled in the JSON)")
+        if "quantized" in k:
+            from bench.gpu_quant import table_lines
+
+            lines += table_lines(k["quantized"])
     bw = data.get("bandwidth")
     if bw and bw.get("cases"):
         lines += ["", f"decode attention, fraction of copy bandwidth ({bw['copy_gb_per_s']:.0f} GB/s moved), "

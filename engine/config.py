@@ -41,9 +41,10 @@ class EngineConfig:
     # CPU, bfloat16: linear weights reordered once at load, for AMX tiles (engine.packed_linear.TileLinear) or else
     # oneDNN; faster.
     prepack_weights: bool = True
-    # CPU: "auto" keeps a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights, or an AWQ/GPTQ checkpoint's, quantized in memory
-    # (engine.quantized_linear); "none" dequantizes them to float; "int8" makes weight-only per-channel int8 of any
-    # float model's weights, "int4" group-wise 4-bit (blocks of 32, round to nearest).
+    # CPU, and the triton backend on a GPU: "auto" keeps a GGUF's block formats (kernels/quant_layout.py READERS), or
+    # an AWQ/GPTQ checkpoint's integers, quantized in memory (engine.quantized_linear); "none" dequantizes them to
+    # float; "int8" makes weight-only per-channel int8 of any float model's weights, "int4" group-wise 4-bit (blocks
+    # of 32, round to nearest).
     quantization: str = "auto"
     # Schedule and launch step N+1 while step N is still on the device (N's tokens fed to it there), so that all
     # host work of a step runs during a forward (LLMEngine.step). None: on for CUDA, where a forward runs

@@ -116,19 +116,18 @@ class ModelRunner:
             self.model.use_fast_layers(self.backend.layers)
         self.quantized = []  # engine.quantized_linear.LayerReport per linear layer, where any is quantized
         kept = scheme(hf_config)  # an AWQ/GPTQ checkpoint: load_weights dequantized its linears to float
-        if self.device.type == "cpu" and self.shard.parallel:
+        if self.shard.parallel:
             # A GGUF's blocks are laid out for whole rows; the ranks load slices of its float conversion instead.
             if config.quantization == "auto" and (kept or gguf_source(config.model)):
                 log.info("tensor parallelism: the %s weights are dequantized (quantized shards are not there yet)",
                          kept.name if kept else "GGUF")
-        elif self.device.type == "cpu":
+        else:  # a CPU's kernels, or the triton backend's on a GPU
             self.quantized = quantize(self.model, config.quantization, gguf_source(config.model), self.backend,
                                       folder)
             if self.quantized:
                 log.info("weights kept quantized: %s", summary(self.quantized))
-        elif kept:
-            log.info("%s checkpoint dequantized to float on %s (no quantized kernel there yet)", kept.name,
-                     self.device)
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()  # the float weights they replaced: free for the KV cache's sizing
         if self.device.type == "cpu" and config.prepack_weights:
             log.info("prepacked %d linear layers", pack_linears(self.model, config.max_num_seqs, self.backend))
         log.info("kernels: %s", self.backend.describe())

@@ -11,6 +11,7 @@ The sources (EngineConfig.quantization):
   int8).
 Either way the layer multiplies with kernels/cpu_quant.cpp (AVX-512 VNNI, activations quantized per row and block to
 int8). A fused layer (qkv, gate_up) whose parts differ in format takes the widest of their layouts, still exactly.
+On the triton backend (GPU) the same layers run kernels/triton_quant.py's dequantize-matmul instead.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class QuantLinear(PanelLinear):
         self.out_features, self.in_features = blocks.u.shape
         self.activates = False
         self.format = fmt
+        self.nbytes = self.packed.numel()
 
 
 def common(parts: list[Blocks]) -> Blocks:
@@ -119,7 +121,7 @@ def made_at_load(model: nn.Module, mode: str) -> dict[str, tuple[Blocks, str]]:
     for name, module in model.named_modules():
         if type(module) is nn.Linear and module.in_features % 32 == 0:
             fmt = head if name == "lm_head" else body
-            out[name] = (MAKERS[fmt](module.weight.detach().float().numpy()), fmt)
+            out[name] = (MAKERS[fmt](module.weight.detach().float().cpu().numpy()), fmt)
     return out
 
 
@@ -169,12 +171,19 @@ def quantize(model: nn.Module, mode: str, gguf: Path | None, backend, folder: Pa
 
 
 def _swap(modules: dict[str, nn.Module], name: str, blocks: Blocks, fmt: str, backend, path: str) -> LayerReport:
-    """Put a QuantLinear of `blocks` in place of module `name` (modules: the model's, by name; "" the model)."""
-    new = QuantLinear(blocks, modules[name].bias, backend.linears, fmt)
+    """Put a quantized layer of `blocks` in place of module `name` (modules: the model's, by name; "" the model):
+    a QuantLinear for the CPU kernel, a TritonQuantLinear on the triton backend."""
+    old = modules[name]
+    if path == "triton":  # imported here: a CPU install may have no triton
+        from kernels.triton_quant import TritonQuantLinear
+
+        new = TritonQuantLinear(blocks, old.bias, fmt, old.weight.device)
+    else:
+        new = QuantLinear(blocks, old.bias, backend.linears, fmt)
     parent, _, child = name.rpartition(".")
     setattr(modules[parent], child, new)
-    log.debug("%s: %s kept quantized, %d bytes, %s", name, fmt, new.packed.numel(), path)
-    return LayerReport(name, fmt, new.packed.numel(), path)
+    log.debug("%s: %s kept quantized, %d bytes, %s", name, fmt, new.nbytes, path)
+    return LayerReport(name, fmt, new.nbytes, path)
 
 
 def _float_report(name: str, module: nn.Module, why: str) -> LayerReport:

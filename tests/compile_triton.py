@@ -2,14 +2,16 @@
 each one uses: registers and spill stores/loads (Triton's bundled `ptxas -v`), shared memory (the compiled
 kernel's metadata) and whether the loads were pipelined (cp.async in the PTX).
 
-The launches are recorded, not run: kernels.triton_ops' store_kv, paged_attention and attention are called on CPU
-tensors of real shapes with every @triton.jit kernel of the module swapped for a recorder. Triton's own launch
+The launches are recorded, not run: kernels.triton_ops' store_kv, paged_attention and attention, and
+kernels.triton_quant's quant_linear (every weight layout, both launch shapes), are called on CPU tensors of real
+shapes with every @triton.jit kernel of the module swapped for a recorder. Triton's own launch
 binder then specializes each recorded launch as the JIT does (pointers 16-byte aligned and integers divisible by
 16 marked as such, integers equal to 1 made constants), so the compiled code is the code that runs; compiled
 without those hints a kernel has no cp.async pipelining and a fraction of the shared memory.
 
-`TRITON_INTERPRET=0 python3 tests/compile_triton.py [--arch 90] [--json PATH]` prints a table; exit status 1 when a
-variant does not compile. tests/test_triton_kernels.py runs it and holds bf16/fp16 to no spills.
+`TRITON_INTERPRET=0 python3 tests/compile_triton.py [--arch 90] [--kernels all|attention|quant] [--json PATH]` prints
+a table; exit status 1 when a variant does not compile. tests/test_triton_kernels.py runs the attention kernels and
+holds bf16/fp16 to no spills; tests/test_triton_quant.py runs the quantized ones.
 """
 
 from __future__ import annotations
@@ -93,6 +95,42 @@ def shape_launches(hq: int, hkv: int, d: int, bs: int, dtype_name: str) -> list:
     return launches
 
 
+# (bits, block, N, K) of the quantized layouts: 4-bit blocks of 32 (Q4_*), 8-bit of 32 (Q8_0, int8) and of 16 (Q6_K,
+# mixed Q4_K+Q6_K), at Llama-3-8B-like widths; a K of one step makes the decode shape's unsplit variant.
+QUANT_SHAPES = [(4, 32, 4096, 4096), (8, 32, 4096, 4096), (8, 16, 4096, 4096), (8, 32, 576, 64)]
+
+
+def quant_launches(dtype_name: str) -> list:
+    """The launches of kernels.triton_quant.quant_linear for every layout: decode (split-K, 1 row), prefill (300
+    rows, with a bias), and the unsplit decode variant."""
+    import numpy as np
+    import torch
+
+    from kernels import triton_quant
+    from kernels.quant_layout import Blocks
+
+    dtype = getattr(torch, DTYPES[dtype_name])
+    with recording(triton_quant) as launches:
+        for bits, block, n, k in QUANT_SHAPES:
+            scale = np.ones((n, k // block), np.float32) / 3  # not exact in float16: float32 scales, as Q4_K's
+            w = triton_quant.device_weight(Blocks(np.zeros((n, k), np.uint8), scale, -scale, bits, block), "cpu")
+            for rows in ((1,) if k < 256 else (1, 300)):
+                bias = torch.zeros(n) if rows > 1 else None
+                triton_quant.quant_linear(torch.zeros(rows, k, dtype=dtype), w, bias)
+    return launches
+
+
+def launch_groups(kernels: str = "all"):
+    """(dtype, shape label, head_dim or None, launches) of every group of launches to compile."""
+    if kernels in ("all", "attention"):
+        for hq, hkv, d, bs, dtypes in SHAPES:
+            for dt in dtypes:
+                yield dt, f"{hq}/{hkv}x{d} bs{bs}", d, shape_launches(hq, hkv, d, bs, dt)
+    if kernels in ("all", "quant"):
+        for dt in DTYPES:
+            yield dt, "", None, quant_launches(dt)
+
+
 def specialize(fn, args, kwargs, backend):
     """(signature, constexprs, attrs, options) of a launch, from Triton's own launch binder."""
     from triton.runtime.jit import create_function_from_signature
@@ -135,10 +173,14 @@ def _name(fn, constexprs: dict, dtype: str, shape: str) -> str:
         kind = "split-K" if c["SPLIT"] else "decode" if c["DECODE"] else "mixed"
         tiles = f"M{c['BLOCK_M']} N{c['BLOCK_N']} D{c['BLOCK_D']}"
         return f"attention {kind:7s} {shape} {dtype} ({tiles})"
+    if fn.__name__ == "_quant_matmul_kernel":
+        kind = "split-K" if c["SPLIT"] else "decode" if c["BLOCK_M"] == 16 else "prefill"
+        tiles = f"M{c['BLOCK_M']} N{c['BLOCK_N']} K{c['BLOCK_K']}"
+        return f"quant {kind:7s} {c['BITS']}-bit block {c['GROUP']} {dtype} ({tiles})"
     return f"{fn.__name__.strip('_').removesuffix('_kernel')} {shape} {dtype}"
 
 
-def compile_all(arch: int = 90, echo=print) -> list[dict]:
+def compile_all(arch: int = 90, echo=print, kernels: str = "all") -> list[dict]:
     """Compile every distinct variant of SHAPES' launches -> one row per variant (name, usage); raises on the
     first variant that does not compile."""
     import triton
@@ -149,27 +191,26 @@ def compile_all(arch: int = 90, echo=print) -> list[dict]:
     backend = make_backend(target)
     arch_name = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
     rows, seen = [], set()
-    for hq, hkv, d, bs, dtypes in SHAPES:
-        for dt in dtypes:
-            for fn, args, kwargs in shape_launches(hq, hkv, d, bs, dt):
-                options, signature, constexprs, attrs = specialize(fn, args, kwargs, backend)
-                key = (fn.__name__, str(signature), str(sorted(constexprs.items())), str(sorted(attrs.items())))
-                if key in seen:
-                    continue
-                seen.add(key)
-                name = _name(fn, constexprs, dt, f"{hq}/{hkv}x{d} bs{bs}")
-                try:
-                    k = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
-                                       options=options.__dict__)
-                except Exception as e:
-                    raise RuntimeError(f"{name}: {e}") from e
-                ptx = k.asm["ptx"]
-                row = {"variant": name, "kernel": fn.__name__, "dtype": dt, "head_dim": d,
-                       **ptxas_usage(ptx, arch_name, options.enable_fp_fusion),
-                       "shared_bytes": k.metadata.shared, "cp_async": "cp.async" in ptx,
-                       "hinted_args": sum(1 for v in attrs.values() if v)}
-                rows.append(row)
-                echo(_line(row))
+    for dt, shape, d, launches in launch_groups(kernels):
+        for fn, args, kwargs in launches:
+            options, signature, constexprs, attrs = specialize(fn, args, kwargs, backend)
+            key = (fn.__name__, str(signature), str(sorted(constexprs.items())), str(sorted(attrs.items())))
+            if key in seen:
+                continue
+            seen.add(key)
+            name = _name(fn, constexprs, dt, shape)
+            try:
+                k = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                                   options=options.__dict__)
+            except Exception as e:
+                raise RuntimeError(f"{name}: {e}") from e
+            ptx = k.asm["ptx"]
+            row = {"variant": name, "kernel": fn.__name__, "dtype": dt, "head_dim": d,
+                   **ptxas_usage(ptx, arch_name, options.enable_fp_fusion),
+                   "shared_bytes": k.metadata.shared, "cp_async": "cp.async" in ptx,
+                   "hinted_args": sum(1 for v in attrs.values() if v)}
+            rows.append(row)
+            echo(_line(row))
     return rows
 
 
@@ -185,6 +226,9 @@ def _line(r: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for H100/H200")
+    ap.add_argument("--kernels", choices=("all", "attention", "quant"), default="all",
+                    help="the attention kernels (kernels.triton_ops), the quantized matmul (kernels.triton_quant), "
+                         "or both")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -192,7 +236,7 @@ def main() -> int:
         return 2
     print(HEADER)
     try:
-        rows = compile_all(args.arch)
+        rows = compile_all(args.arch, kernels=args.kernels)
     except RuntimeError as e:
         print(f"FAIL {e}")
         return 1

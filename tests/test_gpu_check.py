@@ -83,6 +83,13 @@ def test_kernels_section_on_cpu():
     assert any("padding rows" in n and "automatic" in n for n in names)
     assert all(c["wrong_slots"] == 0 for c in out["cases"])
     assert all(c["padding_rows_zero"] for c in out["cases"] if "padding rows" in c["case"])
+    # the quantized matmul: every layout exact and within tolerance, both dtypes, and timed (never held)
+    quant = out["quantized"]
+    assert quant["ok"] and not quant.get("stopped")
+    assert {c["case"].split()[0] for c in quant["cases"]} == {"Q4_0-like", "Q4_K-like", "Q8_0-like", "Q6_K-like"}
+    assert {c["scale_dtype"] for c in quant["cases"] if "scale_dtype" in c} == {"float16", "float32"}
+    assert sum("dequantize" in c["case"] for c in quant["cases"]) == 4
+    assert quant["timings"] and all(t["quantized_us"] > 0 and t["float_us"] > 0 for t in quant["timings"])
     # the GPU's list has bf16 first, a 40k-block cache and every layout
     full = gpu_check.kernel_cases()
     assert full[0].dtype == "bfloat16" and {c.dtype for c in full} == set(gpu_check.KERNEL_DTYPES)
@@ -138,7 +145,8 @@ def test_a_budget_stops_the_sweep_and_says_how_far(tmp_path):
     out = gpu_check.check_kernels("cpu", gpu_check.Budget(0), smoke=True)
     n = len(gpu_check.kernel_cases(gpu_check.SMOKE_DTYPES, True))
     assert out["status"] == "partial" and out["cases"] == []
-    assert out["stopped"] == f"budget of 0 s spent after 0 of {n} cases"
+    assert out["stopped"].startswith(f"budget of 0 s spent after 0 of {n} cases; quantized: budget of 0 s spent")
+    assert out["quantized"]["cases"] == [] and out["quantized"]["ok"]
     said = []
     path = tmp_path / "g.json"
     status = gpu_check.run(str(path), "cpu", ["kernels"], budgets={"kernels": 0}, echo=said.append)
