@@ -32,7 +32,7 @@ LIMIT_OPTIONS = {"max_prompt_chars": "max_prompt_chars", "max_tokens_limit": "ma
                    "default: float32 on cpu, bfloat16 on cuda")
 @click.option("--quantization", envvar="PAGEDQ_QUANTIZATION", type=click.Choice(QUANTIZATIONS),
               default=default_of(EngineConfig, "quantization"), show_default=True,
-              help="CPU: auto keeps a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights, or an AWQ/GPTQ checkpoint's, quantized "
+              help="CPU: auto keeps a GGUF's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K weights, or an AWQ/GPTQ checkpoint's, quantized "
                    "in memory; none dequantizes them to float; int8 (per channel) and int4 (groups of 32) make "
                    "weight-only integers of any float model's weights")
 @click.option("--max-num-seqs", envvar="PAGEDQ_MAX_NUM_SEQS", type=int, default=default_of(EngineConfig, "max_num_seqs"),

@@ -1,9 +1,9 @@
 """Linear layers whose weights stay quantized in memory, swapped in after a CPU model has loaded its float weights.
 
 The sources (EngineConfig.quantization):
-- "auto", a GGUF model: every linear layer whose GGUF tensors are Q8_0, Q4_0, Q4_1, Q4_K or Q6_K keeps the file's
-  blocks (repacked losslessly, kernels/quant_layout.py); a layer with a tensor of another type keeps the float path,
-  and the log says which;
+- "auto", a GGUF model: every linear layer whose GGUF tensors are all of block formats kernels/quant_layout.py reads
+  (READERS) keeps the file's blocks, repacked losslessly; a layer with a tensor of another type keeps the float
+  path, and the log says which;
 - "auto", an AWQ or GPTQ safetensors checkpoint: its group-wise integers, also losslessly
   (engine.quantized_checkpoint); an act-order layer keeps the float path, and the log says which;
 - "int8": weight-only int8, one scale per output column, made at load from the float weights of any model;
