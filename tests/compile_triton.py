@@ -223,6 +223,25 @@ def _line(r: dict) -> str:
             f"{'yes' if r['cp_async'] else 'no'}")
 
 
+
+def compiled_for_hopper(kernels: str, out_dir: Path) -> list[dict]:
+    """For a test: run this script on `kernels` for sm_90a in a process of its own (TRITON_INTERPRET off, as on a
+    GPU) -> its rows. Skips the test where Triton has no NVIDIA compiler or no ptxas; fails it where a variant does
+    not compile."""
+    import pytest
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    report = out_dir / "usage.json"
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--arch", "90", "--kernels", kernels, "--json",
+                        str(report)], env=env, capture_output=True, text=True, timeout=600)
+    if "ptxas" in r.stdout + r.stderr and "not found" in r.stdout + r.stderr:
+        pytest.skip("Triton's ptxas is not available here")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    print(r.stdout)  # the table: registers, spills and shared memory per variant
+    return json.loads(report.read_text())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for H100/H200")

@@ -195,23 +195,9 @@ def test_backend_choice(monkeypatch):
 def test_every_variant_compiles_for_hopper(tmp_path):
     # The interpreter accepts kernels that the compiler refuses; compile them for sm_90a as a launch specializes
     # them (no GPU needed), with the resource report: no variant may spill where the engine runs it.
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from compile_triton import compiled_for_hopper
 
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    script = Path(__file__).with_name("compile_triton.py")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    report = tmp_path / "usage.json"
-    r = subprocess.run([sys.executable, str(script), "--arch", "90", "--kernels", "attention", "--json", str(report)],
-                       env=env, capture_output=True, text=True, timeout=600)
-    if "ptxas" in r.stdout + r.stderr and "not found" in r.stdout + r.stderr:
-        pytest.skip("Triton's ptxas is not available here")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    print(r.stdout)  # the table: registers, spills and shared memory per variant
-    rows = json.loads(report.read_text())
+    rows = compiled_for_hopper("attention", tmp_path)
     kinds = {(row["kernel"], row["dtype"], row["head_dim"]) for row in rows}
     assert {k for k, _, _ in kinds} == {"_store_kv_kernel", "_attention_kernel", "_merge_kernel",
                                         "_copy_blocks_kernel"}

@@ -219,23 +219,9 @@ def test_engine_int8_on_the_triton_backend(tiny_model, monkeypatch):
 def test_every_variant_compiles_for_hopper(tmp_path):
     # The interpreter accepts what Hopper's compiler may refuse: compile every launch quant_linear makes (layouts,
     # dtypes, decode split or not, prefill with bias) for sm_90a as a launch specializes it; none may spill.
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from compile_triton import compiled_for_hopper
 
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    script = Path(__file__).with_name("compile_triton.py")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    report = tmp_path / "usage.json"
-    r = subprocess.run([sys.executable, str(script), "--arch", "90", "--kernels", "quant", "--json", str(report)],
-                       env=env, capture_output=True, text=True, timeout=600)
-    if "ptxas" in r.stdout + r.stderr and "not found" in r.stdout + r.stderr:
-        pytest.skip("Triton's ptxas is not available here")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    print(r.stdout)
-    rows = json.loads(report.read_text())
+    rows = compiled_for_hopper("quant", tmp_path)
     names = {row["variant"].split(" (")[0] for row in rows}
     for bits, block in ((4, 32), (8, 32), (8, 16)):
         for dt in ("bf16", "fp16", "fp32"):
