@@ -5,8 +5,8 @@ Two sources (EngineConfig.quantization):
   blocks (repacked losslessly, kernels/quant_layout.py); a layer with a tensor of another type keeps the float path,
   and the log says which;
 - "int8": weight-only int8, one scale per output column, made at load from the float weights of any model.
-Either way the layer multiplies with kernels/cpu_quant.cpp (AVX-512 VNNI, activations quantized per row and block to
-int8). A fused layer (qkv, gate_up) whose parts differ in format takes the widest of their layouts, still exactly.
+Either way the layer multiplies with kernels/cpu_quant.cpp (AVX-512 VNNI, else AVX2; activations quantized per row
+and block to int8). A fused layer (qkv, gate_up) whose parts differ in format takes the widest of their layouts, still exactly.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class LayerReport:
     name: str
     format: str  # "Q4_1", "Q8_0", "int8", "Q4_K+Q6_K", or a float dtype where it was not quantized
     nbytes: int
-    path: str  # "avx512_vnni", or why it kept the float path
+    path: str  # "avx512_vnni", "avx2" (kernels.cpu_ops.linear_paths), or why it kept the float path
 
 
 class QuantLinear(PanelLinear):
@@ -120,7 +120,7 @@ def quantize(model: nn.Module, mode: str, gguf: Path | None, backend) -> list[La
         return []
     path = (getattr(backend, "linear_paths", None) or {}).get("quantized")
     if not path:
-        why = backend.fallback or ("this CPU has no AVX-512 VNNI" if backend.name == "cpu"
+        why = backend.fallback or ("this CPU has neither AVX-512 VNNI nor AVX2" if backend.name == "cpu"
                                    else f"the {backend.name} backend has no quantized kernel")
         if mode == "int8":
             raise ValueError(f"quantization='int8' cannot run here: {why}")
