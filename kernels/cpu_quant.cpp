@@ -131,7 +131,7 @@ void Activations::quantize_block(const T* x, int64_t n, int8_t* q, float& dx, in
 }
 
 // dot + the 4-input sums of u (16 columns) by a row's 4 inputs, the word at x broadcast in the instruction itself:
-// compilers load it into a register of its own first, an instruction as costly as the dot product.
+// compilers load it into a register of its own first, an instruction more per dot product.
 inline __m512i dot4(__m512i dot, __m512i u, const int32_t* x) {
   asm("vpdpbusd %[x]%{1to16%}, %[u], %[dot]" : [dot] "+v"(dot) : [u] "v"(u), [x] "m"(*x));
   return dot;
