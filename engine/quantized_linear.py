@@ -9,8 +9,9 @@ The sources (EngineConfig.quantization):
 - "int8": weight-only int8, one scale per output column, made at load from the float weights of any model;
 - "int4": weight-only asymmetric 4-bit per block of 32 inputs (round to nearest), made at load likewise (lm_head
   int8).
-Either way the layer multiplies with kernels/cpu_quant.cpp (AVX-512 VNNI, activations quantized per row and block to
-int8). A fused layer (qkv, gate_up) whose parts differ in format takes the widest of their layouts, still exactly.
+Either way the layer multiplies with kernels/cpu_quant.cpp (AVX-512 VNNI, else AVX2; activations quantized per row
+and block to int8). A fused layer (qkv, gate_up) whose parts differ in format takes the widest of their layouts,
+still exactly.
 On the triton backend (GPU) the same layers run kernels/triton_quant.py's dequantize-matmul instead.
 """
 
@@ -44,7 +45,7 @@ class LayerReport:
     name: str
     format: str  # "Q4_1", "Q8_0", "int8", "Q4_K+Q6_K", "AWQ 4-bit g128", or a float dtype where it is not quantized
     nbytes: int
-    path: str  # "avx512_vnni", or why it kept the float path
+    path: str  # "avx512_vnni", "avx2" (kernels.cpu_ops.linear_paths), or why it kept the float path
 
 
 class QuantLinear(PanelLinear):
@@ -150,7 +151,7 @@ def quantize(model: nn.Module, mode: str, gguf: Path | None, backend, folder: Pa
         return []
     path = (getattr(backend, "linear_paths", None) or {}).get("quantized")
     if not path:
-        why = backend.fallback or ("this CPU has no AVX-512 VNNI" if backend.name == "cpu"
+        why = backend.fallback or ("this CPU has neither AVX-512 VNNI nor AVX2" if backend.name == "cpu"
                                    else f"the {backend.name} backend has no quantized kernel")
         if mode in MADE_AT_LOAD:
             raise ValueError(f"quantization={mode!r} cannot run here: {why}")

@@ -35,9 +35,11 @@ HERE = Path(__file__).parent
 SOURCES = [HERE / name for name in ("cpu_library.cpp", "cpu_attention.cpp", "cpu_prefill.cpp", "cpu_layers.cpp",
                                     "cpu_sampling.cpp", "cpu_linear.cpp", "cpu_quant.cpp", "cpu_model.cpp")]
 HEADERS = [HERE / "cpu_math.h", HERE / "cpu_library.h", HERE / "cpu_model.h"]
-# -march=native: the build is for this CPU (its flags are in the key). Reassociating float sums lets the compiler
-# vectorize the dot products; every sum is still accumulated in float32.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+# -march=native: the build is for this CPU (its flags are in the key), or for the lower ISA $PAGEDQ_KERNEL_MARCH
+# names (x86-64-v3: AVX2 without AVX-512, to run those paths on a CPU that has more). Reassociating float sums lets
+# the compiler vectorize the dot products; every sum is still accumulated in float32.
+MARCH_ENV = "PAGEDQ_KERNEL_MARCH"
+CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
           "-fno-signed-zeros", "-ffp-contract=fast"]
 # How long a start waits for another process's build before it gives up (a build takes 1-3 minutes on 2 cores).
 WAIT_ENV, WAIT_S = "PAGEDQ_KERNEL_BUILD_WAIT_S", 900.0
@@ -51,6 +53,10 @@ class BuildError(RuntimeError):
 def default_root(cache: Path) -> Path:
     """The folder built kernels go into: $PAGEDQ_KERNELS_DIR, else `cache`/kernels."""
     return Path(os.environ[ROOT_ENV]) if os.environ.get(ROOT_ENV) else cache / "kernels"
+
+
+def cflags() -> list[str]:
+    return [f"-march={os.environ.get(MARCH_ENV) or 'native'}", *CFLAGS]
 
 
 def _cpu_flags() -> str:
@@ -81,7 +87,7 @@ def build_key() -> str:
     torch_build = [torch.__version__, str(torch.version.git_version), str(torch.compiled_with_cxx11_abi()),
                    str(Path(torch.__file__).resolve().parent)]
     environment = [sys.version, sys.prefix, sysconfig.get_config_var("EXT_SUFFIX") or ""]
-    parts = ([p.read_text() for p in SOURCES + HEADERS] + [" ".join(CFLAGS), _cpu_flags(), _compiler_identity()]
+    parts = ([p.read_text() for p in SOURCES + HEADERS] + [" ".join(cflags()), _cpu_flags(), _compiler_identity()]
              + torch_build + environment)
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
@@ -172,7 +178,7 @@ def _compile(root: Path, key: str) -> None:
     from torch.utils import cpp_extension
 
     try:
-        cpp_extension.load(name=library_name(key), sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
+        cpp_extension.load(name=library_name(key), sources=[str(p) for p in SOURCES], extra_cflags=cflags(),
                            extra_ldflags=["-fopenmp"], build_directory=str(tmp), is_python_module=False,
                            verbose=False)
     except Exception as e:

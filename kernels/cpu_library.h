@@ -51,6 +51,6 @@ std::string panel_linear_path(const std::string& dtype);
 // [ceil(N / 16), bytes a panel]; panel_linear_out hands such weights here.
 void quant_linear_out(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n,
                       at::Tensor out);
-std::string quant_linear_path();  // "avx512_vnni", or "" where it is not built
+std::string quant_linear_path();  // "avx512_vnni", "avx_vnni", "avx2", or "" where it is not built
 
 }  // namespace pagedq

@@ -187,7 +187,7 @@ def _silu_and_mul_built() -> bool:
 
 def linear_paths() -> dict[str, str]:
     """dtype name -> how this CPU multiplies its panels ("amx", "avx512_bf16", "avx512"), for the dtypes it can; and
-    "quantized" -> "avx512_vnni" where quantized weights have a kernel (engine.quantized_linear)."""
+    "quantized" -> "avx512_vnni", "avx_vnni" or "avx2" where quantized weights have a kernel (engine.quantized_linear)."""
     paths = {dtype: torch.ops.pagedq.panel_linear_path(dtype) for dtype in ("float32", "bfloat16")}
     paths["quantized"] = torch.ops.pagedq.quant_linear_path()  # weights kept quantized (kernels/cpu_quant.cpp)
     return {dtype: path for dtype, path in paths.items() if path}

@@ -1,10 +1,12 @@
 """Quantized weights (issue 26): the GGUF block readers against the gguf package's dequantizers, the quantized
-matmul kernel against a float matmul of the same weights, every format, odd shapes and tails; int8 made at load; the
-engine with weights kept quantized."""
+matmul kernel against a float matmul of the same weights, every format, odd shapes and tails, this CPU's path and the
+AVX2 one (built for x86-64-v3); int8 made at load; the engine with weights kept quantized."""
 
 from __future__ import annotations
 
 import importlib.util
+import platform
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -58,37 +60,119 @@ def ops():
     if backend.name != "cpu":
         pytest.skip(f"no C++ CPU kernels here: {backend.fallback}")
     if "quantized" not in backend.linear_paths:
-        pytest.skip("avx512_vnni: this CPU lacks AVX-512 VNNI, the quantized kernel's only path")
+        pytest.skip("avx512_vnni, avx2: this CPU has neither AVX-512 VNNI nor AVX2, the quantized kernel's paths")
     return backend.linears
+
+
+# The quantized kernel alone, built for x86-64-v3 (AVX2 and FMA, no AVX-512): its AVX2 path on a CPU that has more.
+# One source and two ops build in well under a minute, once (the build key holds the sources and -march).
+AVX2_OPS = """
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+namespace pagedq {
+void quant_linear_out(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n,
+                      at::Tensor out);
+std::string quant_linear_path();
+}  // namespace pagedq
+
+TORCH_LIBRARY(pagedq_quant_avx2, m) {
+  m.def("path() -> str", &pagedq::quant_linear_path);
+  m.def("linear(Tensor x, Tensor packed, Tensor? bias, int n, Tensor(a!) out) -> ()", &pagedq::quant_linear_out);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def avx2_ops():
+    from engine.loader import cache_root
+    from kernels import build
+
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    if platform.machine() != "x86_64" or not {"avx2", "fma"} <= set(flags):
+        pytest.skip("avx2: not an x86-64 CPU with AVX2 and FMA")
+    if build.missing_tools():
+        pytest.skip(f"avx2: cannot build here ({build.missing_tools()})")
+    root = build.default_root(cache_root()) / "quant-avx2"
+    root.mkdir(parents=True, exist_ok=True)
+    source = root / "quant_avx2_ops.cpp"
+    source.write_text(AVX2_OPS)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(build, "SOURCES", [build.HERE / "cpu_quant.cpp", source])
+    mp.setattr(build, "HEADERS", [build.HERE / "cpu_math.h", build.HERE / "cpu_library.h"])
+    mp.setenv(build.MARCH_ENV, "x86-64-v3")
+    try:
+        lib, built_now = build.ensure_built(root)
+    finally:
+        mp.undo()
+    if not built_now and not hasattr(torch.ops.pagedq_quant_avx2, "path"):
+        torch.ops.load_library(str(lib))
+    return torch.ops.pagedq_quant_avx2
 
 
 def int8_rows(x: torch.Tensor, block: int) -> torch.Tensor:
     """x as the kernel sees it: per row and block, dx * round(x / dx) with dx = max |x| / 127."""
     rows = x.float().reshape(x.shape[0], -1, block)
     amax = rows.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    # a division, as the kernel's (torch's 127 / amax multiplies by a reciprocal: an ulp apart at times)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
     return (torch.round(rows * inv) * (amax / 127)).reshape(x.shape)
 
 
-@pytest.mark.parametrize("fmt,n,k", [("Q8_0", 40, 96), ("Q4_0", 16, 64), ("Q4_1", 33, 160), ("Q4_K", 24, 256),
-                                     ("Q6_K", 7, 512)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_a_float_matmul(ops, fmt, n, k, dtype):
-    blocks = quant_layout.READERS[fmt](raw_blocks(fmt, n, k, seed=n))
+# N not a multiple of 16 (a panel's tail) in most; every layout: 8-bit in 32 and 16, 4-bit; int8 per channel
+SHAPES = [("Q8_0", 40, 96), ("Q4_0", 16, 64), ("Q4_1", 33, 160), ("Q4_K", 24, 256), ("Q6_K", 7, 512),
+          ("int8", 20, 128)]
+# a decode row alone (no gaps between rows), part of a group of 8, whole groups (batch 16), one row over, a pass of
+# 64 rows, a prompt of more
+ROWS = (1, 7, 16, 17, 64, 100)
+
+
+def weights(fmt: str, n: int, k: int) -> quant_layout.Blocks:
+    if fmt == "int8":
+        return quant_layout.int8_per_channel(np.random.default_rng(n).standard_normal((n, k)).astype(np.float32))
+    return quant_layout.READERS[fmt](raw_blocks(fmt, n, k, seed=n))
+
+
+def check_kernel(multiply, fmt: str, n: int, k: int, dtype: torch.dtype) -> None:
+    """multiply(x, packed, bias, n) -> [rows, n] against a float matmul of the same weights, at every row count."""
+    blocks = weights(fmt, n, k)
     weight = torch.from_numpy(blocks.dequantize())
     packed = torch.from_numpy(quant_layout.pack(blocks))
     bias = torch.randn(n) * 0.1
-    for rows in (1, 5, 13):  # one decode row, a few, more than a register block of 8
+    for rows in ROWS:
         x = torch.randn(rows, k).to(dtype)
-        got = ops.panel_linear(x, packed, bias, n, False).float()
-        exact = F.linear(int8_rows(x, blocks.block), weight, bias)  # the same rounding of x: float32 sums apart
-        # bfloat16: the output rounded to it, so sums a float32 rounding apart land up to an ulp of the largest
-        # output apart (the random K-quant blocks make outputs of hundreds, with small ones among them)
-        bf16 = dtype == torch.bfloat16
-        torch.testing.assert_close(got, exact, rtol=2**-7 if bf16 else 1e-4,
-                                   atol=2**-7 * exact.abs().max().item() if bf16 else 1e-5)
+        got = multiply(x, packed, bias, n).float()
+        rounded = int8_rows(x, blocks.block)
+        exact = F.linear(rounded, weight, bias)  # the same rounding of x: float32 sums apart
+        if dtype == torch.bfloat16:
+            # the output rounded to it, so sums a float32 rounding apart land up to an ulp of the largest output
+            # apart (the random K-quant blocks make outputs of hundreds, with small ones among them)
+            torch.testing.assert_close(got, exact, rtol=2**-7, atol=2**-7 * exact.abs().max().item(),
+                                       msg=lambda m, rows=rows: f"{rows} rows: {m}")
+        else:  # sums in another order: apart by float32 roundings of the terms' magnitudes (cancelling outputs)
+            terms = F.linear(rounded.abs(), weight.abs(), bias.abs())
+            assert ((got - exact).abs() <= 1e-5 + 1e-5 * terms).all(), f"{rows} rows"
         plain = F.linear(x.float(), weight, bias)  # x unrounded: the int8 rounding's error, small beside the output
         assert (got - plain).norm() <= 0.02 * plain.norm()
+
+
+@pytest.mark.parametrize("fmt,n,k", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_a_float_matmul(ops, fmt, n, k, dtype):
+    check_kernel(lambda x, packed, bias, n: ops.panel_linear(x, packed, bias, n, False), fmt, n, k, dtype)
+
+
+@pytest.mark.parametrize("fmt,n,k", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_avx2_kernel_matches_a_float_matmul(avx2_ops, fmt, n, k, dtype):
+    assert avx2_ops.path() in ("avx2", "avx_vnni")
+
+    def multiply(x, packed, bias, n):
+        out = torch.empty(x.shape[0], n, dtype=x.dtype)
+        avx2_ops.linear(x, packed, bias, n, out)
+        return out
+
+    check_kernel(multiply, fmt, n, k, dtype)
 
 
 def test_kernel_writes_into_out_and_rejects_a_gated_weight(ops):
@@ -168,7 +252,8 @@ def test_smollm2_kept_quantized_answers_and_stays_close(smollm2, ops):
 
     engine = LLMEngine(EngineConfig(model="smollm2-135m-instruct", max_num_seqs=4, num_kv_blocks=64))
     formats = {(r.format, r.path) for r in engine.runner.quantized}
-    assert formats == {("Q4_1", "avx512_vnni"), ("Q8_0", "avx512_vnni")}
+    path = engine.runner.backend.linear_paths["quantized"]
+    assert formats == {("Q4_1", path), ("Q8_0", path)}
     assert engine.runner.model.decoder is not None  # the whole stack still runs as one C++ call a step
     ids = engine.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     params = SamplingParams(max_tokens=10, temperature=0, logprobs=0)  # "The capital of France is Paris."
