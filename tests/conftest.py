@@ -39,6 +39,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="session")
+def quant_backend():
+    """The CPU backend, where it has a quantized kernel (kernels/cpu_quant.cpp); the test is skipped, saying why,
+    where it has none. Its linear_paths["quantized"] names the path ("avx512_vnni", "avx2")."""
+    from engine.loader import cache_root
+    from kernels import build, get_backend
+
+    backend = get_backend("auto", "cpu", build.default_root(cache_root()))
+    if backend.name != "cpu":
+        pytest.skip(f"no C++ CPU kernels here: {backend.fallback}")
+    if "quantized" not in backend.linear_paths:
+        pytest.skip("avx512_vnni, avx2: this CPU has neither AVX-512 VNNI nor AVX2, the quantized kernel's paths")
+    return backend
+
+
+@pytest.fixture(scope="session")
 def redis_server():
     from worker.redis_server import RedisServer
 

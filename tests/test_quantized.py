@@ -17,8 +17,8 @@ from kernels import quant_layout
 
 gguf = pytest.importorskip("gguf")
 QTYPES = gguf.GGMLQuantizationType
-FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
-K_QUANTS = {"Q4_K", "Q6_K"}  # no quantizer in the gguf package: random blocks with sane scales instead
+FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+K_QUANTS = {"Q4_K", "Q5_K", "Q6_K"}  # no quantizer in the gguf package: random blocks with sane scales instead
 
 
 def raw_blocks(fmt: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -28,7 +28,7 @@ def raw_blocks(fmt: str, n: int, k: int, seed: int = 0) -> np.ndarray:
         return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.1, QTYPES[fmt])
     block, size = gguf.GGML_QUANT_SIZES[QTYPES[fmt]]
     raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
-    d_at = [0, 2] if fmt == "Q4_K" else [208]  # the float16 super-block scales: small and finite
+    d_at = [208] if fmt == "Q6_K" else [0, 2]  # the float16 super-block scales: small and finite
     for at in d_at:
         raw[..., at:at + 2] = (rng.random((n, k // block)) * 0.01).astype(np.float16)[..., None].view(np.uint8)
     return raw.reshape(n, -1)
@@ -52,16 +52,8 @@ def test_pack_puts_columns_in_panels_of_16():
 
 
 @pytest.fixture(scope="module")
-def ops():
-    from engine.loader import cache_root
-    from kernels import build, get_backend
-
-    backend = get_backend("auto", "cpu", build.default_root(cache_root()))
-    if backend.name != "cpu":
-        pytest.skip(f"no C++ CPU kernels here: {backend.fallback}")
-    if "quantized" not in backend.linear_paths:
-        pytest.skip("avx512_vnni, avx2: this CPU has neither AVX-512 VNNI nor AVX2, the quantized kernel's paths")
-    return backend.linears
+def ops(quant_backend):
+    return quant_backend.linears
 
 
 # The quantized kernel alone, built for x86-64-v3 (AVX2 and FMA, no AVX-512): its AVX2 path on a CPU that has more.

@@ -152,15 +152,9 @@ def checkpoints(bases, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def vnni():
-    from engine.loader import cache_root
-    from kernels import build, get_backend
-
-    backend = get_backend("auto", "cpu", build.default_root(cache_root()))
-    if backend.name != "cpu":
-        pytest.skip(f"no C++ CPU kernels here: {backend.fallback}")
-    if "quantized" not in backend.linear_paths:
-        pytest.skip("avx512_vnni: this CPU lacks AVX-512 VNNI, the quantized kernel's only path")
+def quant_path(quant_backend) -> str:
+    """The quantized kernel's path on this CPU (the test skips, saying why, where there is none)."""
+    return quant_backend.linear_paths["quantized"]
 
 
 def engine(model, **kw):
@@ -260,15 +254,15 @@ def test_gptq_8_bit_and_missing_g_idx():
     ("awq-g64", "qwen2"),  # q/k/v biases beside the quantized weights
     ("gptq-asym-g64-v1", "qwen3"),  # q/k norms, head_dim apart from hidden / heads
 ])
-def test_engine_runs_the_checkpoint_as_stored(checkpoints, vnni, variant, arch):
+def test_engine_runs_the_checkpoint_as_stored(checkpoints, quant_path, variant, arch):
     folder = checkpoints(variant, arch)
     got, want = engine(folder / "quant"), engine(folder / "float", quantization="none")
     name = {"awq-g64": "AWQ 4-bit g64", "gptq-per-channel": "GPTQ 4-bit per-channel"}.get(
         variant, f"GPTQ 4-bit g{VARIANTS[variant][1]}")
     kept = {r.name: (r.format, r.path) for r in got.runner.quantized}
-    assert kept["model.layers.0.self_attn.qkv_proj"] == (name, "avx512_vnni")
+    assert kept["model.layers.0.self_attn.qkv_proj"] == (name, quant_path)
     assert kept["lm_head"][1] == "float (not quantized in the checkpoint)"
-    assert sum(p == "avx512_vnni" for _, p in kept.values()) == 8  # 4 fused linears a layer, 2 layers
+    assert sum(p == quant_path for _, p in kept.values()) == 8  # 4 fused linears a layer, 2 layers
     assert got.runner.model.decoder is not None  # still the one-call C++ stack
     # A layer: the float layer on x rounded as the kernel rounds it, to float32 sums apart (exact weights).
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(0))
@@ -303,7 +297,7 @@ def test_without_the_kernel_a_checkpoint_runs_dequantized(checkpoints, caplog):
     torch.testing.assert_close(logits(got, PROMPT), logits(want, PROMPT))
 
 
-def test_models_layers_reports_the_format(checkpoints, vnni):
+def test_models_layers_reports_the_format(checkpoints, quant_path):
     from click.testing import CliRunner
 
     from cli.model_files import layers
@@ -313,7 +307,7 @@ def test_models_layers_reports_the_format(checkpoints, vnni):
     assert "GPTQ 4-bit g128" in result.output and "8 layers GPTQ 4-bit g128" in result.output
 
 
-def test_int4_at_load_runs_its_rounding_and_stays_near_float(bases, vnni, tmp_path):
+def test_int4_at_load_runs_its_rounding_and_stays_near_float(bases, quant_path, tmp_path):
     """int4 made at load runs exactly its own rounding (the model with those weights as floats, up to the int8
     rounding of activations), and stays near the float model (random weights: the hardest case for 4 bits)."""
     from safetensors.numpy import load_file, save_file
@@ -392,7 +386,7 @@ def test_bad_checkpoints_fail_clearly(checkpoints, tmp_path):
         engine(folder)
 
 
-def test_a_layer_quantized_in_part_runs_float(checkpoints, vnni, tmp_path):
+def test_a_layer_quantized_in_part_runs_float(checkpoints, quant_path, tmp_path):
     """modules_to_not_convert may leave q_proj float beside quantized k/v: their stacked layer takes the float path."""
     from safetensors.numpy import load_file, save_file
 
@@ -407,4 +401,4 @@ def test_a_layer_quantized_in_part_runs_float(checkpoints, vnni, tmp_path):
     paths = {r.name: r.path for r in engine(folder).runner.quantized}
     assert paths["model.layers.0.self_attn.qkv_proj"] == ("float (AWQ 4-bit g64: only some of its parts are "
                                                           "quantized in the checkpoint, dequantized to float)")
-    assert paths["model.layers.1.self_attn.qkv_proj"] == "avx512_vnni"
+    assert paths["model.layers.1.self_attn.qkv_proj"] == quant_path
