@@ -31,11 +31,13 @@ demo: setup
 	$(PY) -m cli demo
 
 # Two pytest processes (pytest-xdist): most tests wait on worker subprocesses and Redis, so one process leaves a
-# 2-core CI machine half idle. worksteal: an idle process takes queued tests from the other, so one slow test near
-# the end does not leave a core idle. TEST_WORKERS=0 runs the suite in one process.
+# 2-core CI machine half idle. loadgroup: tests go one at a time to whichever process is free, so one slow test near
+# the end does not leave a core idle, except that a file marked xdist_group runs whole, in order, in one process
+# (tests/test_lua_scripts.py: its last test checks what the others covered, in that process's Redis).
+# TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
 test:
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
 lint:
 	$(PY) -m ruff check .

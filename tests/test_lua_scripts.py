@@ -25,6 +25,10 @@ from producer.errors import DuplicateJobError, JobNotFound, LeaseLost, OwnerFull
 from producer.keys import GROUP, ApiKeyKeys, BatchKeys, Keys
 from producer.protocol import JobRequest, Usage
 
+# One process runs the whole file, in order (`make test`'s --dist loadgroup): the coverage is in that process's Redis,
+# and the last test reads it.
+pytestmark = pytest.mark.xdist_group("lua_scripts")
+
 SCRIPTS = Path(scripts.__file__).parent / "scripts"
 COVERAGE_KEY = "pqtest:lua-coverage"
 _COND = re.compile(r"\b(if|elseif)\s+(.*?)\s+then\b")
