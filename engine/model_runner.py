@@ -93,6 +93,7 @@ class ModelRunner:
         except BaseException:
             if self.ranks is not None:  # the other ranks wait for this one: end them with it
                 self.ranks.stop(timeout=0)
+                self._unpin()
             raise
         if self.ranks is not None:
             self.ranks.watch()
@@ -191,9 +192,14 @@ class ModelRunner:
         self.ranks.stop()
         self.ranks = None
         self.shard.leave()
+        self._unpin()
+
+    def _unpin(self) -> None:
+        """Rank 0's threads and cores as they were before the replica started."""
         torch.set_num_threads(self._threads)
         if self._cores is not None:
             os.sched_setaffinity(0, self._cores)
+            self._cores = None
 
     def use_padded_decode(self, capture: bool) -> None:
         """Run decode-only steps through padded static buffers; capture: also as CUDA graphs (CUDA only).
