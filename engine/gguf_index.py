@@ -17,7 +17,8 @@ import numpy as np
 
 MAGIC = b"GGUF"
 STRING, ARRAY = 8, 9  # GGUF metadata value types whose length is in the data
-SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # the other types' sizes
+# The other types, as struct formats (uint8, int8, uint16, int16, uint32, int32, float32, bool, uint64, int64, float64)
+SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 DEFAULT_ALIGNMENT = 32
 
 
@@ -52,7 +53,7 @@ class _Cursor:
             for _ in range(count):
                 self.skip_array()
         else:
-            self.at += count * SCALAR_BYTES[kind]
+            self.at += count * struct.calcsize("<" + SCALARS[kind])
 
     def value(self, kind: int):
         """The value of a scalar or string; arrays are skipped (None)."""
@@ -61,8 +62,7 @@ class _Cursor:
         if kind == ARRAY:
             self.skip_array()
             return None
-        fmt = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}[kind]
-        return self.take(fmt)
+        return self.take(SCALARS[kind])
 
 
 def read(path: Path) -> tuple[dict[str, object], dict[str, Tensor]]:

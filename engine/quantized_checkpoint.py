@@ -83,17 +83,6 @@ def scheme(config) -> Scheme | None:
     return Scheme("gptq", bits, group, bool(qc.get("desc_act", False)), fmt == "gptq")
 
 
-def _layers(folder: Path) -> dict[str, Path]:
-    """Each quantized linear layer's checkpoint name (e.g. model.layers.0.self_attn.q_proj) -> its file."""
-    from safetensors import safe_open
-
-    out = {}
-    for file in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            out.update({k.removesuffix(".qweight"): file for k in f.keys() if k.endswith(".qweight")})  # noqa: SIM118
-    return out
-
-
 def _read(f, keys: set[str], prefix: str, s: Scheme) -> Groups:
     """One layer's Groups from an open safetensors file holding `keys`."""
 
@@ -114,17 +103,16 @@ def _read(f, keys: set[str], prefix: str, s: Scheme) -> Groups:
 
 
 def layers(folder: Path, s: Scheme) -> Iterator[tuple[str, Groups]]:
-    """(checkpoint name, Groups) of every quantized linear layer of the checkpoint, one at a time."""
+    """(checkpoint name, e.g. model.layers.0.self_attn.q_proj, Groups) of every quantized linear layer of the
+    checkpoint, one at a time."""
     from safetensors import safe_open
 
-    by_file: dict[Path, list[str]] = {}
-    for prefix, file in _layers(folder).items():
-        by_file.setdefault(file, []).append(prefix)
-    for file, prefixes in by_file.items():
+    for file in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             keys = set(f.keys())
-            for prefix in prefixes:
-                yield prefix, _read(f, keys, prefix, s)
+            for key in sorted(keys):
+                if key.endswith(".qweight"):
+                    yield key.removesuffix(".qweight"), _read(f, keys, key.removesuffix(".qweight"), s)
 
 
 def dequantized(folder: Path, s: Scheme) -> Iterator[tuple[str, torch.Tensor]]:
@@ -154,7 +142,7 @@ def read_checkpoint(folder: Path, config) -> tuple[dict[str, tuple[Blocks, str]]
         parts.setdefault(f"{module}.{fused}" if module else fused, {})[index] = groups.blocks()
     found, skipped = {}, {}
     for name, by_index in parts.items():
-        want = {"qkv_proj": 3, "gate_up_proj": 2}.get(name.rpartition(".")[2], 1)
+        want = sum(fused == name.rpartition(".")[2] for fused, _ in LlamaForCausalLM.FUSED.values()) or 1
         blocks = [by_index.get(i) for i in range(want)]
         if len(by_index) != want:  # e.g. modules_to_not_convert names q_proj alone: one stacked layer, one layout
             skipped[name] = f"{s.name}: only some of its parts are quantized in the checkpoint, dequantized to float"
