@@ -1,7 +1,8 @@
 """Decode speed of quantized weights against pagedq's own bfloat16, and against llama.cpp on the same GGUF.
 
 For each pagedq configuration (quantization, dtype) this loads the engine, fills `batch` sequences with a short
-prompt, and times decode steps alone (engine.step with every sequence decoding): ms a step, tokens/s, and the bytes
+prompt, and times decode steps alone (engine.step with every sequence decoding; the configurations in turn, the
+median of --rounds rounds): ms a step, tokens/s, and the bytes
 of linear weights a step reads over the step's time (GB/s), beside the machine's measured copy bandwidth. With
 --llamacpp-server, llama-server on the model's GGUF decodes one request of the same length: its own time per token.
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -55,21 +57,34 @@ def decode_steps(engine, batch: int, prompt: int, steps: int) -> float:
     return elapsed
 
 
-def run_pagedq(model: str, quantization: str, dtype: str, batches: list[int], steps: int) -> dict:
+def load_pagedq(model: str, quantization: str, dtype: str, batches: list[int]) -> tuple[object, dict]:
     from engine import EngineConfig, LLMEngine
 
     start = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=model, quantization=quantization, dtype=dtype, max_num_seqs=max(batches),
                                     num_kv_blocks=max(batches) * 16 + 16))
     startup = time.perf_counter() - start
-    nbytes = weight_bytes(engine.runner.model)
     formats = sorted({r.format for r in engine.runner.quantized}) or [dtype]
-    out = {"system": "pagedq", "quantization": quantization, "dtype": dtype, "formats": formats,
-           "weight_bytes": nbytes, "startup_s": startup, "decode": {}}
-    for b in batches:
-        step = decode_steps(engine, b, 32, steps)
-        out["decode"][str(b)] = {"step_ms": step * 1e3, "tokens_per_s": b / step, "weights_gb_per_s": nbytes / step / 1e9}
-    return out
+    return engine, {"system": "pagedq", "quantization": quantization, "dtype": dtype, "formats": formats,
+                    "weight_bytes": weight_bytes(engine.runner.model), "startup_s": startup, "decode": {}}
+
+
+def run_pagedq(model: str, configs: list[tuple[str, str]], batches: list[int], steps: int, rounds: int) -> list[dict]:
+    """Every configuration loaded at once, then timed in rounds that go through all of them in turn: a slow spell
+    of the machine (a VM's neighbours) then falls on every configuration alike, and the median round is reported."""
+    loaded = [load_pagedq(model, q, d, batches) for q, d in configs]
+    times: list[dict[int, list[float]]] = [{b: [] for b in batches} for _ in loaded]
+    for _ in range(rounds):
+        for (engine, _), row in zip(loaded, times):
+            for b in batches:
+                row[b].append(decode_steps(engine, b, 32, steps))
+    for (_, out), row in zip(loaded, times):
+        for b, seconds in row.items():
+            step = statistics.median(seconds)
+            out["decode"][str(b)] = {"step_ms": step * 1e3, "tokens_per_s": b / step,
+                                     "weights_gb_per_s": out["weight_bytes"] / step / 1e9,
+                                     "rounds_ms": [s * 1e3 for s in seconds]}
+    return [out for _, out in loaded]
 
 
 def run_llamacpp(server_bin: str, gguf: str, threads: int, tokens: int) -> dict:
@@ -91,6 +106,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds through every configuration; the median is kept")
     ap.add_argument("--configs", nargs="+", default=[f"{q}:{d}" for q, d in CONFIGS],
                     help="quantization:dtype pairs")
     ap.add_argument("--llamacpp-server", help="llama-server binary: also time llama.cpp on the model's GGUF")
@@ -101,10 +117,9 @@ def main() -> None:
 
     data = {"machine": report.machine("cpu"), "memory_bandwidth": mfu.memory_bandwidth("cpu"), "results": []}
     print(json.dumps(data["memory_bandwidth"]))
-    for spec in a.configs:
-        q, d = spec.split(":")
-        data["results"].append(run_pagedq(a.model, q, d, a.batch, a.steps))
-        print(json.dumps(data["results"][-1]))
+    for result in run_pagedq(a.model, [tuple(spec.split(":")) for spec in a.configs], a.batch, a.steps, a.rounds):
+        data["results"].append(result)
+        print(json.dumps(result))
     if a.llamacpp_server:
         data["results"].append(run_llamacpp(a.llamacpp_server, str(gguf_source(a.model)), torch.get_num_threads(),
                                             a.steps * 4))

@@ -1,14 +1,16 @@
 // Linear layers on weights kept quantized (GGUF Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks, int8 per channel), multiplied
 // with integer dot products: AVX-512 VNNI (vpdpbusd, 16 columns a register), else AVX2 (8 columns a register:
 // AVX-VNNI's vpdpbusd where the CPU has it, else vpmaddubsw + vpmaddwd). A decode step reads every weight once, so
-// its pace is bytes over memory bandwidth: 4-bit weights are read as 0.75 bytes, 8-bit as 1.25 (1.5 for Q6_K),
-// against bfloat16's 2. With many rows (batch 16, prompts) it is the multiply's pace instead.
+// its pace is bytes over memory bandwidth: 4-bit weights are read as 0.625 bytes (0.75 with float32 scales), 8-bit
+// as 1.125 (1.25; 1.5 for Q6_K), against bfloat16's 2. With many rows (batch 16, prompts) it is the multiply's pace instead.
 //
 // kernels/quant_layout.py repacks a format's blocks, losslessly, into one layout of this file: each weight is
 // scale * u + min, u an unsigned 4- or 8-bit integer, with a float32 scale and min per output column and block of B
 // inputs (B = 32, or 16 for Q6_K's sub-blocks). Output columns go in panels of 16; a panel holds, block after block,
 // the block's u as B/4 registers of 16 columns by 4 inputs (4-bit: two such registers a register, the first in the
 // low nibbles), then its 16 scales, then its 16 mins. One vpdpbusd multiplies a register by 4 inputs of a row.
+// Scales and mins are float16 where every one of a layer's is a float16 exactly (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 store
+// them so), blocks of 32 only: a Q4_1 block then reads 0.625 bytes a weight, as the file holds it, not 0.75.
 //
 // Activations are quantized per row and block to int8 (x ~ dx * qx, dx = max|x| / 127), as llama.cpp does, so a
 // block's sum is scale * dx * sum(u * qx) + min * dx * sum(qx): integer dot products, then two multiply-adds. The
@@ -31,15 +33,18 @@ namespace {
 
 constexpr int64_t kCols = 16;  // output columns a panel
 
-// The three layouts, told apart by a panel's bytes per input (K): 4-bit and 8-bit u in blocks of 32, 8-bit in 16.
+// The layouts, told apart by a panel's bytes per input (K): 4-bit and 8-bit u in blocks of 32 with float32 or
+// float16 scales and mins (12, 10, 20 and 18 bytes an input), 8-bit in blocks of 16 with float32 ones (24).
 struct Layout {
   int64_t bits, block;
-  int64_t quant_bytes() const { return block * kCols * bits / 8; }
-  int64_t block_bytes() const { return quant_bytes() + 2 * kCols * 4; }
-  int64_t panel_bytes(int64_t k) const { return k / block * block_bytes(); }
+  bool half;
+  constexpr int64_t quant_bytes() const { return block * kCols * bits / 8; }
+  constexpr int64_t scales_bytes() const { return kCols * (half ? 2 : 4); }  // a block's scales, and its mins
+  constexpr int64_t block_bytes() const { return quant_bytes() + 2 * scales_bytes(); }
+  constexpr int64_t panel_bytes(int64_t k) const { return k / block * block_bytes(); }
 };
 
-constexpr Layout kLayouts[] = {{4, 32}, {8, 32}, {8, 16}};
+constexpr Layout kLayouts[] = {{4, 32, false}, {4, 32, true}, {8, 32, false}, {8, 32, true}, {8, 16, false}};
 
 Layout layout_of(int64_t panel_bytes, int64_t k) {
   for (const Layout& l : kLayouts)
@@ -138,10 +143,19 @@ inline __m512i dot4(__m512i dot, __m512i u, const int32_t* x) {
 }
 
 // One layout's multiply, 16 columns a register: the compiler knows the block, so a block's loops unroll.
-template <int Bits, int Block>
+template <int Bits, int Block, bool Half>
 struct Avx512 {
+  static constexpr Layout kLayout{Bits, Block, Half};
   static constexpr int kQuads = Block / 4;
-  static constexpr int64_t kQuantBytes = Block * kCols * Bits / 8, kBlockBytes = kQuantBytes + 2 * kCols * 4;
+  static constexpr int64_t kQuantBytes = kLayout.quant_bytes(), kBlockBytes = kLayout.block_bytes();
+
+  // A block's 16 scales, or its 16 mins, as float32.
+  static __m512 load_scales(const uint8_t* p) {
+    if constexpr (Half)
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    else
+      return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+  }
 
   // Sums of a group's first R rows (S rows a group) over a panel (`blocks` blocks from q), as 16 columns each.
   template <int R, int S>
@@ -176,9 +190,8 @@ struct Avx512 {
         }
       }
       if constexpr (kSplit) dot[0] = _mm512_add_epi32(dot[0], odd[0]);
-      const auto* scales = reinterpret_cast<const float*>(q + kQuantBytes);
       const auto* dx = reinterpret_cast<const float*>(a + kQuads * S);
-      const __m512 scale = _mm512_loadu_ps(scales), min = _mm512_loadu_ps(scales + kCols);
+      const __m512 scale = load_scales(q + kQuantBytes), min = load_scales(q + kQuantBytes + kLayout.scales_bytes());
       for (int r = 0; r < R; ++r) {
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(scale, _mm512_set1_ps(dx[r])), acc[r]);
         acc[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(dx[S + r]), acc[r]);
@@ -220,8 +233,8 @@ struct Avx512 {
     });
   }
 };
-template <int Bits, int Block>
-using Kernel = Avx512<Bits, Block>;
+template <int Bits, int Block, bool Half>
+using Kernel = Avx512<Bits, Block, Half>;
 #endif
 
 #if defined(PAGEDQ_QUANT_AVX2)
@@ -269,10 +282,11 @@ void Activations::quantize_block(const T* x, int64_t n, int8_t* q, float& dx, in
 // saturation: 4-bit u make at most 2 * 15 * 127, but 8-bit u up to 2 * 255 * 127, which does not fit. So 8-bit u
 // are multiplied as w = u - 128 (|w| <= 128: pairs of at most 2 * 128 * 127 fit), |w| by qx with w's sign, and the
 // 128 * sum(qx) they lack goes into the min term: scale * dx * 128 * sum(qx) = 128 * scale * (dx * sum(qx)).
-template <int Bits, int Block>
+template <int Bits, int Block, bool Half>
 struct Avx2 {
+  static constexpr Layout kLayout{Bits, Block, Half};
   static constexpr int kQuads = Block / 4;
-  static constexpr int64_t kQuantBytes = Block * kCols * Bits / 8, kBlockBytes = kQuantBytes + 2 * kCols * 4;
+  static constexpr int64_t kQuantBytes = kLayout.quant_bytes(), kBlockBytes = kLayout.block_bytes();
   static constexpr int64_t kRows = 4;  // rows at a time: 4 int and 4 float accumulators of the 16 registers
 #if defined(__AVXVNNI__)
   static constexpr bool kShifted = false;
@@ -290,6 +304,14 @@ struct Avx2 {
                                    : _mm256_maddubs_epi16(u, qx);
     return _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 #endif
+  }
+
+  // 8 of a block's scales or mins (half h of the panel) as float32.
+  static __m256 load_scales(const uint8_t* p, int h) {
+    if constexpr (Half)
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + h));
+    else
+      return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + h * 8);
   }
 
   // Register j of a block's u for 8 columns (half h of the panel).
@@ -316,10 +338,9 @@ struct Avx2 {
         const __m256i w = weights(q, j, h), magnitude = kShifted ? _mm256_abs_epi8(w) : w;
         for (int r = 0; r < R; ++r) dot[r] = dot4(dot[r], w, magnitude, _mm256_set1_epi32(a[j * S + r]));
       }
-      const auto* scales = reinterpret_cast<const float*>(q + kQuantBytes) + h * 8;
       const auto* dx = reinterpret_cast<const float*>(a + kQuads * S);
-      const __m256 scale = _mm256_loadu_ps(scales);
-      __m256 min = _mm256_loadu_ps(scales + kCols);
+      const __m256 scale = load_scales(q + kQuantBytes, h);
+      __m256 min = load_scales(q + kQuantBytes + kLayout.scales_bytes(), h);
       if constexpr (kShifted) min = _mm256_fmadd_ps(scale, _mm256_set1_ps(128.f), min);
       for (int r = 0; r < R; ++r) {
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(scale, _mm256_set1_ps(dx[r])), acc[r]);
@@ -362,8 +383,8 @@ struct Avx2 {
     });
   }
 };
-template <int Bits, int Block>
-using Kernel = Avx2<Bits, Block>;
+template <int Bits, int Block, bool Half>
+using Kernel = Avx2<Bits, Block, Half>;
 #endif
 
 #if defined(PAGEDQ_QUANT_AVX512) || defined(PAGEDQ_QUANT_AVX2)
@@ -376,12 +397,16 @@ void run_quant(Layout layout, const T* x, int64_t lda, int64_t rows, int64_t k, 
   at::parallel_for(0, rows, rows * k < (1 << 15) ? rows : 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) a.quantize(r, x + r * lda);
   });
-  if (layout.bits == 4)
-    Kernel<4, 32>::run(a, panels, k, bias, width, rows, out);
-  else if (layout.block == 32)
-    Kernel<8, 32>::run(a, panels, k, bias, width, rows, out);
+  if (layout.block == 16)
+    Kernel<8, 16, false>::run(a, panels, k, bias, width, rows, out);
+  else if (layout.bits == 4 && layout.half)
+    Kernel<4, 32, true>::run(a, panels, k, bias, width, rows, out);
+  else if (layout.bits == 4)
+    Kernel<4, 32, false>::run(a, panels, k, bias, width, rows, out);
+  else if (layout.half)
+    Kernel<8, 32, true>::run(a, panels, k, bias, width, rows, out);
   else
-    Kernel<8, 16>::run(a, panels, k, bias, width, rows, out);
+    Kernel<8, 32, false>::run(a, panels, k, bias, width, rows, out);
 }
 #endif
 

@@ -155,11 +155,21 @@ READERS = {"Q8_0": read_q8_0, "Q4_0": read_q4_0, "Q4_1": read_q4_1, "Q5_0": read
            "Q4_K": read_q4_k, "Q5_K": read_q5_k, "Q6_K": read_q6_k}
 
 
+def _half(a: np.ndarray, up: bool) -> np.ndarray:
+    """a rounded up (or down) to values a float16 holds exactly, as float32: pack then stores them in 2 bytes. Kept
+    as it was where a float16 would overflow."""
+    near = a.astype(np.float16)
+    beyond = near < a if up else near > a
+    moved = np.where(beyond, np.nextafter(near, np.float16(np.inf if up else -np.inf)), near).astype(np.float32)
+    return np.where(np.isfinite(moved), moved, a)
+
+
 def int8_per_channel(weight: np.ndarray) -> Blocks:
-    """Weight-only int8 made from float weights [N, K]: one scale per output column (max |w| / 127), q rounded to
-    [-127, 127]; u = q + 128. The scale is repeated per block of 32 (the kernel's layout), K a multiple of 32."""
+    """Weight-only int8 made from float weights [N, K]: one scale per output column (max |w| / 127, rounded up to a
+    float16), q rounded to [-127, 127]; u = q + 128. The scale is repeated per block of 32 (the kernel's layout), K a
+    multiple of 32."""
     w = weight.astype(np.float32)
-    scale = np.abs(w).max(axis=1) / 127
+    scale = _half(np.abs(w).max(axis=1) / 127, up=True)
     safe = np.where(scale > 0, scale, 1)
     q = np.clip(np.rint(w / safe[:, None]), -127, 127)
     blocks = w.shape[1] // 32
@@ -168,20 +178,34 @@ def int8_per_channel(weight: np.ndarray) -> Blocks:
 
 
 def int4_groups(weight: np.ndarray) -> Blocks:
-    """Weight-only asymmetric 4-bit made from float weights [N, K], as Q4_1 but with float32 scales and mins: per
-    row and block of 32 inputs, min the block's least weight, scale (max - min) / 15, u = round((w - min) / scale).
-    Round to nearest, no calibration; K a multiple of 32."""
+    """Weight-only asymmetric 4-bit made from float weights [N, K], as Q4_1: per row and block of 32 inputs, min the
+    block's least weight (rounded down to a float16), scale (max - min) / 15 (rounded up to one), u = round((w - min)
+    / scale). Round to nearest, no calibration; K a multiple of 32."""
     n, k = weight.shape
     w = weight.astype(np.float32).reshape(n, k // 32, 32)
-    low = w.min(axis=2)
-    scale = (w.max(axis=2) - low) / 15
+    low = _half(w.min(axis=2), up=False)
+    scale = _half((w.max(axis=2) - low) / 15, up=True)
     safe = np.where(scale > 0, scale, 1)  # a constant block: every u 0, the min alone
     u = np.clip(np.rint((w - low[..., None]) / safe[..., None]), 0, 15).astype(np.uint8)
     return Blocks(u.reshape(n, k), scale, low, 4, 32)
 
 
+def exact_in_half(a: np.ndarray) -> bool:
+    """Whether every value of a float32 array is a float16 exactly (finite)."""
+    with np.errstate(over="ignore"):
+        half = a.astype(np.float16)
+    return bool(np.isfinite(half).all() and np.array_equal(half.astype(np.float32), a))
+
+
+def half_scales(blocks: Blocks) -> bool:
+    """Whether pack stores these blocks' scales and mins as float16 (lossless: every one is a float16; blocks of 32
+    only, kernels/cpu_quant.cpp's layouts): Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 store theirs so."""
+    return blocks.block == 32 and exact_in_half(blocks.scale) and exact_in_half(blocks.min)
+
+
 def pack(blocks: Blocks) -> np.ndarray:
-    """[ceil(N / 16), bytes a panel] uint8 in kernels/cpu_quant.cpp's layout; rows past N are zeros."""
+    """[ceil(N / 16), bytes a panel] uint8 in kernels/cpu_quant.cpp's layout; rows past N are zeros. Scales and mins
+    are float16 where half_scales, else float32."""
     n, k = blocks.u.shape
     panels = -(-n // COLS)
     pad = panels * COLS - n
@@ -195,6 +219,7 @@ def pack(blocks: Blocks) -> np.ndarray:
     if blocks.bits == 4:  # quads 2i and 2i + 1 in the low and high nibbles of one register
         q = q[:, :, 0::2] | (q[:, :, 1::2] << 4)
     q = q.reshape(panels, nb, -1)
-    per_block = [a.astype(np.float32).reshape(panels, COLS, nb).transpose(0, 2, 1).copy().view(np.uint8)
+    kind = np.float16 if half_scales(blocks) else np.float32
+    per_block = [a.astype(kind).reshape(panels, COLS, nb).transpose(0, 2, 1).copy().view(np.uint8)
                  for a in (scale, mins)]
     return np.ascontiguousarray(np.concatenate([q, *per_block], axis=2).reshape(panels, -1))

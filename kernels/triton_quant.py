@@ -5,14 +5,16 @@ The layout (`QuantWeight`, made from kernels.quant_layout.Blocks: weight = scale
 - u, [N, K] uint8 for 8 bits; [N, K / 2] uint8 for 4 bits, input 2i in the low nibble and 2i + 1 in the high one.
   Rows are output columns and contiguous along K, so a tile's loads run along memory.
 - scale and min, [N, K / block], float16 where every value of the layer is exact in float16 (Q8_0, Q4_0 and Q4_1
-  store float16 d and m: 9, 5 and 5 bits a weight in all) and float32 otherwise (Q4_K's and Q6_K's d times a 6- or
-  8-bit scale, int8's float32 scale: 6, 12 and 10 bits a weight), so that no format loses a bit to save a byte. The
-  price is over the files' own 8.5, 4.5, 5, 4.5 and 6.6 bits: a min stored beside every scale, and float32 scales.
+  store float16 d and m, and int8/int4 made at load round theirs to float16s: 9, 5, 5, 9 and 5 bits a weight in
+  all) and float32 otherwise (Q4_K's and Q6_K's d times a 6- or 8-bit scale: 6 and 12 bits a weight), so that no
+  format loses a bit to save a byte. The price is over the files' own 8.5, 4.5, 5, 4.5 and 6.6 bits: a min stored
+  beside every scale, and float32 scales.
 
 Rounding: the kernel computes u * scale + min in float32. For every GGUF format u * scale is exact in float32 (at
 most 24 significant bits: Q6_K's 6-bit u times float16 d times a 7-bit scale), so the weight equals
-Blocks.dequantize()'s bit for bit whether or not the compiler fuses the multiply-add; for int8 (any float32 scale)
-a fused multiply-add may differ by an ulp of float32. The weight is then rounded to x's dtype (float16/bfloat16;
+Blocks.dequantize()'s bit for bit whether or not the compiler fuses the multiply-add, and so for int8 and int4
+(float16 scales) and AWQ/GPTQ (a float16 scale times small integers); only a scale of any float32 could make a
+fused multiply-add differ by an ulp of float32. The weight is then rounded to x's dtype (float16/bfloat16;
 float32 keeps it) and multiplied on tensor cores with float32 sums: the result of F.linear(x, dequantized weight in
 x's dtype), up to summation order.
 float32 x multiplies in IEEE float32 (never TF32), as the attention kernels do.
@@ -37,7 +39,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from kernels.quant_layout import Blocks
+from kernels.quant_layout import Blocks, exact_in_half
 from kernels.triton_ops import _num_sms
 
 DECODE_ROWS = 16  # rows up to which the split-K decode shape runs
@@ -126,11 +128,7 @@ class QuantWeight:
 
 def _per_block_dtype(blocks: Blocks) -> np.dtype:
     """float16 where it holds every scale and min exactly, else float32."""
-    for a in (blocks.scale, blocks.min):
-        with np.errstate(over="ignore"):
-            if not np.array_equal(a.astype(np.float16).astype(np.float32), a):
-                return np.float32
-    return np.float16
+    return np.float16 if exact_in_half(blocks.scale) and exact_in_half(blocks.min) else np.float32
 
 
 def device_weight(blocks: Blocks, device: torch.device | str) -> QuantWeight:

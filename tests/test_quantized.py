@@ -45,10 +45,14 @@ def test_readers_match_the_gguf_dequantizers(fmt):
 def test_pack_puts_columns_in_panels_of_16():
     blocks = quant_layout.read_q4_1(raw_blocks("Q4_1", 20, 64))
     packed = quant_layout.pack(blocks)
-    assert packed.shape == (2, 2 * (32 * 16 // 2 + 128))  # 2 panels (20 rows, 12 of padding), 2 blocks each
+    # 2 panels (20 rows, 12 of padding), 2 blocks each: 16 x 32 nibbles, 16 float16 scales and 16 mins
+    assert packed.shape == (2, 2 * (32 * 16 // 2 + 64))
     first = packed[0, :64]  # block 0, quads 0 and 1 of 16 columns: column c's inputs 0-3 in low nibbles c*4..c*4+3
     assert np.array_equal(first.reshape(16, 4) & 0x0F, blocks.u[:16, :4])
     assert np.array_equal(first.reshape(16, 4) >> 4, blocks.u[:16, 4:8])
+    assert np.array_equal(packed[0, 256:288].view(np.float16), blocks.scale[:16, 0].astype(np.float16))
+    blocks.min[5, 1] += 2**-20  # one min a float16 cannot hold: the whole layer's scales and mins are float32
+    assert quant_layout.pack(blocks).shape == (2, 2 * (32 * 16 // 2 + 128))
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +116,8 @@ def int8_rows(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 # N not a multiple of 16 (a panel's tail) in most; every layout: 8-bit in 32 and 16, 4-bit; int8 per channel
-SHAPES = [("Q8_0", 40, 96), ("Q4_0", 16, 64), ("Q4_1", 33, 160), ("Q4_K", 24, 256), ("Q6_K", 7, 512),
-          ("int8", 20, 128)]
+SHAPES = [("Q8_0", 40, 96), ("Q4_0", 16, 64), ("Q4_1", 33, 160), ("Q4_K", 24, 256), ("Q5_K", 12, 256),
+          ("Q6_K", 7, 512), ("int8", 20, 128)]
 # a decode row alone (no gaps between rows), part of a group of 8, whole groups (batch 16), one row over, a pass of
 # 64 rows, a prompt of more
 ROWS = (1, 7, 16, 17, 64, 100)
@@ -123,6 +127,16 @@ def weights(fmt: str, n: int, k: int) -> quant_layout.Blocks:
     if fmt == "int8":
         return quant_layout.int8_per_channel(np.random.default_rng(n).standard_normal((n, k)).astype(np.float32))
     return quant_layout.READERS[fmt](raw_blocks(fmt, n, k, seed=n))
+
+
+def test_shapes_cover_every_layout():
+    """The kernel tests below run each of kernels/cpu_quant.cpp's layouts: 4- and 8-bit u in blocks of 32 with
+    float16 or float32 scales, 8-bit in blocks of 16."""
+    def layout(b):
+        return b.bits, b.block, quant_layout.half_scales(b)
+
+    covered = {layout(weights(fmt, n, k)) for fmt, n, k in SHAPES}
+    assert covered == {(4, 32, True), (4, 32, False), (8, 32, True), (8, 32, False), (8, 16, False)}
 
 
 def check_kernel(multiply, fmt: str, n: int, k: int, dtype: torch.dtype) -> None:
@@ -176,7 +190,7 @@ def test_kernel_writes_into_out_and_rejects_a_gated_weight(ops):
     with pytest.raises(RuntimeError, match="gated"):
         ops.panel_linear(x, packed, None, 32, True)
     with pytest.raises(RuntimeError, match="no layout"):
-        ops.panel_linear(torch.randn(3, 96), packed, None, 32, False)
+        ops.panel_linear(torch.randn(3, 128), packed, None, 32, False)  # 9 bytes an input: no layout's
 
 
 def test_int8_per_channel_within_half_a_step():
@@ -184,7 +198,9 @@ def test_int8_per_channel_within_half_a_step():
     w[3] = 0  # an all-zero row keeps a zero scale
     blocks = quant_layout.int8_per_channel(w)
     step = np.abs(w).max(axis=1, keepdims=True) / 127
-    assert np.all(np.abs(blocks.dequantize() - w) <= step / 2 + 1e-7)
+    assert np.all(blocks.scale >= step) and np.all(blocks.scale <= step * (1 + 2**-10))  # rounded up to a float16
+    assert quant_layout.half_scales(blocks)
+    assert np.all(np.abs(blocks.dequantize() - w) <= blocks.scale[:, :1] / 2 + 1e-7)
     assert not blocks.dequantize()[3].any()
 
 

@@ -335,8 +335,11 @@ def test_int4_groups_within_half_a_step():
     blocks = quant_layout.int4_groups(w)
     blocks_w = w.reshape(8, 3, 32)
     step = (blocks_w.max(2) - blocks_w.min(2)) / 15
+    # the min rounded down and the scale up to float16s: a step at most a float16's rounding of each wider
+    assert quant_layout.half_scales(blocks) and np.all(blocks.min <= blocks_w.min(2))
+    assert np.all(blocks.scale <= (step + np.abs(blocks.min) * 2**-10 / 15) * (1 + 2**-10))
     err = np.abs(blocks.dequantize() - w).reshape(8, 3, 32)
-    assert np.all(err <= step[..., None] / 2 * (1 + 1e-5) + 1e-7)
+    assert np.all(err <= blocks.scale[..., None] / 2 * (1 + 1e-5) + 1e-7)
     assert np.all(blocks.dequantize()[2, :32] == 0.25)
 
 

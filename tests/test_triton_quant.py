@@ -155,6 +155,8 @@ def test_per_block_dtype_is_float16_only_where_exact():
         per_weight = {4: 0.5, 8: 1}[w.bits] + 2 * w.scale.element_size() / w.block
         assert w.nbytes == 8 * 256 * per_weight
     int8 = quant_layout.int8_per_channel(np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32))
+    assert triton_quant.device_weight(int8, "cpu").scale.dtype == torch.float16  # its scales rounded to float16s
+    int8.scale[0, 0] += 2**-20  # one scale a float16 cannot hold: the whole layer's float32
     assert triton_quant.device_weight(int8, "cpu").scale.dtype == torch.float32
 
 
