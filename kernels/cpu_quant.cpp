@@ -1,8 +1,8 @@
 // Linear layers on weights kept quantized (GGUF Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks, int8 per channel), multiplied
 // with integer dot products: AVX-512 VNNI (vpdpbusd, 16 columns a register), else AVX2 (8 columns a register:
 // AVX-VNNI's vpdpbusd where the CPU has it, else vpmaddubsw + vpmaddwd). A decode step reads every weight once, so
-// its pace is bytes over memory bandwidth: 4-bit weights are read as 0.625 bytes (0.75 with float32 scales), 8-bit
-// as 1.125 (1.25; 1.5 for Q6_K), against bfloat16's 2. With many rows (batch 16, prompts) it is the multiply's pace instead.
+// its pace is bytes over memory bandwidth: 4-bit weights are read as 0.5625-0.625 bytes (0.75 with float32 scales),
+// 8-bit as 1.0625-1.125 (1.25; 1.5 for Q6_K), against bfloat16's 2. With many rows (batch 16, prompts) it is the multiply's pace instead.
 //
 // kernels/quant_layout.py repacks a format's blocks, losslessly, into one layout of this file: each weight is
 // scale * u + min, u an unsigned 4- or 8-bit integer, with a float32 scale and min per output column and block of B
@@ -10,7 +10,9 @@
 // the block's u as B/4 registers of 16 columns by 4 inputs (4-bit: two such registers a register, the first in the
 // low nibbles), then its 16 scales, then its 16 mins. One vpdpbusd multiplies a register by 4 inputs of a row.
 // Scales and mins are float16 where every one of a layer's is a float16 exactly (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 store
-// them so), blocks of 32 only: a Q4_1 block then reads 0.625 bytes a weight, as the file holds it, not 0.75.
+// them so), blocks of 32 only: a Q4_1 block then reads 0.625 bytes a weight, as the file holds it, not 0.75. A
+// symmetric layer (Q8_0, Q4_0, int8: every min is -2^(bits-1) times its scale, u a signed integer stored offset)
+// stores no mins: the offset goes into the integer sums instead, sum((u - 2^(bits-1)) * qx).
 //
 // Activations are quantized per row and block to int8 (x ~ dx * qx, dx = max|x| / 127), as llama.cpp does, so a
 // block's sum is scale * dx * sum(u * qx) + min * dx * sum(qx): integer dot products, then two multiply-adds. The
@@ -23,6 +25,8 @@
 #include "cpu_library.h"
 #include "cpu_math.h"
 
+#include <iterator>
+
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PAGEDQ_QUANT_AVX512 1
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -34,17 +38,24 @@ namespace {
 constexpr int64_t kCols = 16;  // output columns a panel
 
 // The layouts, told apart by a panel's bytes per input (K): 4-bit and 8-bit u in blocks of 32 with float32 or
-// float16 scales and mins (12, 10, 20 and 18 bytes an input), 8-bit in blocks of 16 with float32 ones (24).
+// float16 scales and mins (12, 10, 20 and 18 bytes an input) or float16 scales alone (9 and 17), 8-bit in blocks of
+// 16 with float32 ones (24).
 struct Layout {
   int64_t bits, block;
-  bool half;
+  bool half, symmetric;
   constexpr int64_t quant_bytes() const { return block * kCols * bits / 8; }
   constexpr int64_t scales_bytes() const { return kCols * (half ? 2 : 4); }  // a block's scales, and its mins
-  constexpr int64_t block_bytes() const { return quant_bytes() + 2 * scales_bytes(); }
+  constexpr int64_t block_bytes() const { return quant_bytes() + (symmetric ? 1 : 2) * scales_bytes(); }
   constexpr int64_t panel_bytes(int64_t k) const { return k / block * block_bytes(); }
+  constexpr int32_t offset() const { return symmetric ? -(1 << (bits - 1)) : 0; }  // the min over the scale
+  constexpr bool operator==(const Layout& o) const {
+    return bits == o.bits && block == o.block && half == o.half && symmetric == o.symmetric;
+  }
 };
 
-constexpr Layout kLayouts[] = {{4, 32, false}, {4, 32, true}, {8, 32, false}, {8, 32, true}, {8, 16, false}};
+constexpr Layout kLayouts[] = {{4, 32, false, false}, {4, 32, true, false}, {4, 32, true, true},
+                               {8, 32, false, false}, {8, 32, true, false}, {8, 32, true, true},
+                               {8, 16, false, false}};
 
 Layout layout_of(int64_t panel_bytes, int64_t k) {
   for (const Layout& l : kLayouts)
@@ -60,16 +71,18 @@ constexpr int64_t kGroupsPerPass = 8;
 
 // The rows' activations as int8, in groups of `group` rows (kGroup, or all of fewer): per group and block, the
 // block's qx as words of 4 inputs (quad after quad, the group's rows side by side), then the rows' dx, then their
-// dx * sum(qx). A kernel reads a row's word at a fixed offset from the block's start, so the broadcast folds into
+// dx * sum(qx) (float32), or for a symmetric layout offset * sum(qx) (int32: where the integer sums start). A kernel reads a row's word at a fixed offset from the block's start, so the broadcast folds into
 // the dot product's operand; a decode row alone has no gaps (they would take cache from the streaming weights).
 // Words of a row past the last in its group are never read, so they are left as they are: the buffer is the calling
 // thread's, kept from call to call (a new one a call was pages zeroed by the kernel, ~5% of a batch-16 step).
 struct Activations {
   int64_t group, blocks, quads, record;
+  int32_t offset;
   int32_t* words;
 
-  Activations(int64_t rows, int64_t k, int64_t block)
-      : group(std::min(rows, kGroup)), blocks(k / block), quads(block / 4), record((quads + 2) * group) {
+  Activations(int64_t rows, int64_t k, const Layout& layout)
+      : group(std::min(rows, kGroup)), blocks(k / layout.block), quads(layout.block / 4),
+        record((quads + 2) * group), offset(layout.offset()) {
     thread_local std::vector<int32_t> buffer;
     const auto size = static_cast<size_t>((rows + group - 1) / group * blocks * record);
     if (buffer.size() < size) buffer.resize(size);
@@ -94,7 +107,10 @@ struct Activations {
       for (int64_t j = 0; j < quads; ++j) std::memcpy(at + j * group, q + 4 * j, 4);
       float* scales = reinterpret_cast<float*>(at + quads * group);
       scales[0] = dx;
-      scales[group] = dx * static_cast<float>(sum);
+      if (offset)
+        at[(quads + 1) * group] = offset * sum;
+      else
+        scales[group] = dx * static_cast<float>(sum);
     }
   }
 };
@@ -143,9 +159,9 @@ inline __m512i dot4(__m512i dot, __m512i u, const int32_t* x) {
 }
 
 // One layout's multiply, 16 columns a register: the compiler knows the block, so a block's loops unroll.
-template <int Bits, int Block, bool Half>
+template <int Bits, int Block, bool Half, bool Symmetric>
 struct Avx512 {
-  static constexpr Layout kLayout{Bits, Block, Half};
+  static constexpr Layout kLayout{Bits, Block, Half, Symmetric};
   static constexpr int kQuads = Block / 4;
   static constexpr int64_t kQuantBytes = kLayout.quant_bytes(), kBlockBytes = kLayout.block_bytes();
 
@@ -168,7 +184,11 @@ struct Avx512 {
       // weights' stream.
       constexpr bool kSplit = R == 1;
       __m512i dot[R], odd[R];
-      for (int r = 0; r < R; ++r) dot[r] = odd[r] = _mm512_setzero_si512();
+      for (int r = 0; r < R; ++r) {
+        odd[r] = _mm512_setzero_si512();
+        // symmetric: the sums start at offset * sum(qx), so they end at sum((u + offset) * qx)
+        dot[r] = Symmetric ? _mm512_set1_epi32(a[(kQuads + 1) * S + r]) : odd[r];
+      }
       if constexpr (Bits == 4) {
         const __m512i low = _mm512_set1_epi8(0x0f);
         for (int i = 0; i < kQuads / 2; ++i) {
@@ -191,10 +211,12 @@ struct Avx512 {
       }
       if constexpr (kSplit) dot[0] = _mm512_add_epi32(dot[0], odd[0]);
       const auto* dx = reinterpret_cast<const float*>(a + kQuads * S);
-      const __m512 scale = load_scales(q + kQuantBytes), min = load_scales(q + kQuantBytes + kLayout.scales_bytes());
-      for (int r = 0; r < R; ++r) {
+      const __m512 scale = load_scales(q + kQuantBytes);
+      for (int r = 0; r < R; ++r)
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(scale, _mm512_set1_ps(dx[r])), acc[r]);
-        acc[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(dx[S + r]), acc[r]);
+      if constexpr (!Symmetric) {
+        const __m512 min = load_scales(q + kQuantBytes + kLayout.scales_bytes());
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(dx[S + r]), acc[r]);
       }
     }
     for (int r = 0; r < R; ++r) out[r] = acc[r];
@@ -233,8 +255,8 @@ struct Avx512 {
     });
   }
 };
-template <int Bits, int Block, bool Half>
-using Kernel = Avx512<Bits, Block, Half>;
+template <int Bits, int Block, bool Half, bool Symmetric>
+using Kernel = Avx512<Bits, Block, Half, Symmetric>;
 #endif
 
 #if defined(PAGEDQ_QUANT_AVX2)
@@ -282,9 +304,9 @@ void Activations::quantize_block(const T* x, int64_t n, int8_t* q, float& dx, in
 // saturation: 4-bit u make at most 2 * 15 * 127, but 8-bit u up to 2 * 255 * 127, which does not fit. So 8-bit u
 // are multiplied as w = u - 128 (|w| <= 128: pairs of at most 2 * 128 * 127 fit), |w| by qx with w's sign, and the
 // 128 * sum(qx) they lack goes into the min term: scale * dx * 128 * sum(qx) = 128 * scale * (dx * sum(qx)).
-template <int Bits, int Block, bool Half>
+template <int Bits, int Block, bool Half, bool Symmetric>
 struct Avx2 {
-  static constexpr Layout kLayout{Bits, Block, Half};
+  static constexpr Layout kLayout{Bits, Block, Half, Symmetric};
   static constexpr int kQuads = Block / 4;
   static constexpr int64_t kQuantBytes = kLayout.quant_bytes(), kBlockBytes = kLayout.block_bytes();
   static constexpr int64_t kRows = 4;  // rows at a time: 4 int and 4 float accumulators of the 16 registers
@@ -332,19 +354,24 @@ struct Avx2 {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b, q += kBlockBytes, a += record) {
+      // Symmetric: the sums start at offset * sum(qx), so they end at sum((u + offset) * qx); shifted, they are that
+      // already (offset is -128, the shift).
+      constexpr bool kStartAtOffset = Symmetric && !kShifted;
       __m256i dot[R];
-      for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+      for (int r = 0; r < R; ++r)
+        dot[r] = kStartAtOffset ? _mm256_set1_epi32(a[(kQuads + 1) * S + r]) : _mm256_setzero_si256();
       for (int j = 0; j < kQuads; ++j) {
         const __m256i w = weights(q, j, h), magnitude = kShifted ? _mm256_abs_epi8(w) : w;
         for (int r = 0; r < R; ++r) dot[r] = dot4(dot[r], w, magnitude, _mm256_set1_epi32(a[j * S + r]));
       }
       const auto* dx = reinterpret_cast<const float*>(a + kQuads * S);
       const __m256 scale = load_scales(q + kQuantBytes, h);
-      __m256 min = load_scales(q + kQuantBytes + kLayout.scales_bytes(), h);
-      if constexpr (kShifted) min = _mm256_fmadd_ps(scale, _mm256_set1_ps(128.f), min);
-      for (int r = 0; r < R; ++r) {
+      for (int r = 0; r < R; ++r)
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(scale, _mm256_set1_ps(dx[r])), acc[r]);
-        acc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(dx[S + r]), acc[r]);
+      if constexpr (!Symmetric) {
+        __m256 min = load_scales(q + kQuantBytes + kLayout.scales_bytes(), h);
+        if constexpr (kShifted) min = _mm256_fmadd_ps(scale, _mm256_set1_ps(128.f), min);
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(dx[S + r]), acc[r]);
       }
     }
     for (int r = 0; r < R; ++r) out[r] = acc[r];
@@ -383,30 +410,34 @@ struct Avx2 {
     });
   }
 };
-template <int Bits, int Block, bool Half>
-using Kernel = Avx2<Bits, Block, Half>;
+template <int Bits, int Block, bool Half, bool Symmetric>
+using Kernel = Avx2<Bits, Block, Half, Symmetric>;
 #endif
 
 #if defined(PAGEDQ_QUANT_AVX512) || defined(PAGEDQ_QUANT_AVX2)
+// Layout `layout`'s kernel: the I-th of kLayouts or a later one.
+template <size_t I = 0, typename T>
+void run_layout(Layout layout, const Activations& a, const uint8_t* panels, int64_t k, const float* bias,
+                int64_t width, int64_t rows, T* out) {
+  if constexpr (I < std::size(kLayouts)) {
+    constexpr Layout kLayout = kLayouts[I];
+    if (layout == kLayout)
+      return Kernel<kLayout.bits, kLayout.block, kLayout.half, kLayout.symmetric>::run(a, panels, k, bias, width,
+                                                                                       rows, out);
+    run_layout<I + 1>(layout, a, panels, k, bias, width, rows, out);
+  }
+}
+
 template <typename T>
 void run_quant(Layout layout, const T* x, int64_t lda, int64_t rows, int64_t k, const uint8_t* panels,
                const float* bias, int64_t width, T* out) {
-  Activations a(rows, k, layout.block);
+  Activations a(rows, k, layout);
   // A decode batch's rows are quantized in microseconds: in a parallel region of their own, the threads' start and
   // wait would cost more than they save.
   at::parallel_for(0, rows, rows * k < (1 << 15) ? rows : 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) a.quantize(r, x + r * lda);
   });
-  if (layout.block == 16)
-    Kernel<8, 16, false>::run(a, panels, k, bias, width, rows, out);
-  else if (layout.bits == 4 && layout.half)
-    Kernel<4, 32, true>::run(a, panels, k, bias, width, rows, out);
-  else if (layout.bits == 4)
-    Kernel<4, 32, false>::run(a, panels, k, bias, width, rows, out);
-  else if (layout.half)
-    Kernel<8, 32, true>::run(a, panels, k, bias, width, rows, out);
-  else
-    Kernel<8, 32, false>::run(a, panels, k, bias, width, rows, out);
+  run_layout(layout, a, panels, k, bias, width, rows, out);
 }
 #endif
 

@@ -203,9 +203,15 @@ def half_scales(blocks: Blocks) -> bool:
     return blocks.block == 32 and exact_in_half(blocks.scale) and exact_in_half(blocks.min)
 
 
+def symmetric(blocks: Blocks) -> bool:
+    """Whether pack stores no mins for these blocks: every min is -2^(bits - 1) times its scale (u a signed integer
+    stored offset: Q8_0, Q4_0, int8), with float16 scales; the kernel puts the offset into its integer sums."""
+    return half_scales(blocks) and np.array_equal(blocks.min, -(2 ** (blocks.bits - 1)) * blocks.scale)
+
+
 def pack(blocks: Blocks) -> np.ndarray:
     """[ceil(N / 16), bytes a panel] uint8 in kernels/cpu_quant.cpp's layout; rows past N are zeros. Scales and mins
-    are float16 where half_scales, else float32."""
+    are float16 where half_scales, else float32; a symmetric layer's mins are left out."""
     n, k = blocks.u.shape
     panels = -(-n // COLS)
     pad = panels * COLS - n
@@ -221,5 +227,5 @@ def pack(blocks: Blocks) -> np.ndarray:
     q = q.reshape(panels, nb, -1)
     kind = np.float16 if half_scales(blocks) else np.float32
     per_block = [a.astype(kind).reshape(panels, COLS, nb).transpose(0, 2, 1).copy().view(np.uint8)
-                 for a in (scale, mins)]
+                 for a in ((scale,) if symmetric(blocks) else (scale, mins))]
     return np.ascontiguousarray(np.concatenate([q, *per_block], axis=2).reshape(panels, -1))

@@ -116,8 +116,8 @@ def int8_rows(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 # N not a multiple of 16 (a panel's tail) in most; every layout: 8-bit in 32 and 16, 4-bit; int8 per channel
-SHAPES = [("Q8_0", 40, 96), ("Q4_0", 16, 64), ("Q4_1", 33, 160), ("Q4_K", 24, 256), ("Q5_K", 12, 256),
-          ("Q6_K", 7, 512), ("int8", 20, 128)]
+SHAPES = [("Q8_0", 40, 96), ("Q4_0", 16, 64), ("Q4_1", 33, 160), ("Q4_K", 24, 256), ("Q5_0", 18, 64),
+          ("Q5_K", 12, 256), ("Q6_K", 7, 512), ("int8", 20, 128)]
 # a decode row alone (no gaps between rows), part of a group of 8, whole groups (batch 16), one row over, a pass of
 # 64 rows, a prompt of more
 ROWS = (1, 7, 16, 17, 64, 100)
@@ -131,12 +131,13 @@ def weights(fmt: str, n: int, k: int) -> quant_layout.Blocks:
 
 def test_shapes_cover_every_layout():
     """The kernel tests below run each of kernels/cpu_quant.cpp's layouts: 4- and 8-bit u in blocks of 32 with
-    float16 or float32 scales, 8-bit in blocks of 16."""
+    float32 scales and mins, float16 ones, or float16 scales alone (symmetric), 8-bit in blocks of 16."""
     def layout(b):
-        return b.bits, b.block, quant_layout.half_scales(b)
+        return b.bits, b.block, quant_layout.half_scales(b), quant_layout.symmetric(b)
 
     covered = {layout(weights(fmt, n, k)) for fmt, n, k in SHAPES}
-    assert covered == {(4, 32, True), (4, 32, False), (8, 32, True), (8, 32, False), (8, 16, False)}
+    assert covered == {(bits, 32, half, sym) for bits in (4, 8) for half, sym in ((False, False), (True, False),
+                                                                                 (True, True))} | {(8, 16, False, False)}
 
 
 def check_kernel(multiply, fmt: str, n: int, k: int, dtype: torch.dtype) -> None:
