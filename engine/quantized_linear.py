@@ -52,13 +52,17 @@ class QuantLinear(PanelLinear):
     """A PanelLinear on quantized panels: the same op (panel_linear hands uint8 weights to the quantized kernel), so
     the C++ decoder stack (kernels/cpu_model.cpp) runs it as it runs the float panels."""
 
-    def __init__(self, blocks: Blocks, bias: torch.Tensor | None, ops, fmt: str) -> None:
+    def __init__(self, blocks: Blocks, bias: torch.Tensor | None, ops, fmt: str, gated: bool = False) -> None:
+        """gated: blocks are an MLP's [gate; up] rows, packed so that the layer returns silu(gate) * up (bfloat16
+        inputs, the AVX-512 kernel; see gates)."""
         nn.Module.__init__(self)
         self.ops = ops
-        self.packed = torch.from_numpy(quant_layout.pack(blocks))
+        n = blocks.u.shape[0]
+        self.packed = torch.from_numpy(quant_layout.pack(blocks.rows(quant_layout.gated_order(n)) if gated
+                                                         else blocks))
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.out_features, self.in_features = blocks.u.shape
-        self.activates = False
+        self.activates = gated
         self.format = fmt
         self.nbytes = self.packed.numel()
 
@@ -180,11 +184,19 @@ def _swap(modules: dict[str, nn.Module], name: str, blocks: Blocks, fmt: str, ba
 
         new = TritonQuantLinear(blocks, old.bias, fmt, old.weight.device)
     else:
-        new = QuantLinear(blocks, old.bias, backend.linears, fmt)
+        new = QuantLinear(blocks, old.bias, backend.linears, fmt, gated=gates(name, old, path))
     parent, _, child = name.rpartition(".")
     setattr(modules[parent], child, new)
     log.debug("%s: %s kept quantized, %d bytes, %s", name, fmt, new.nbytes, path)
     return LayerReport(name, fmt, new.nbytes, path)
+
+
+def gates(name: str, old: nn.Module, path: str) -> bool:
+    """Whether the quantized layer in place of `old` returns silu(gate) * up itself (as a bfloat16 PanelLinear's
+    does): an MLP's gate-and-up projection in bfloat16, halves of whole panels, no bias, on the AVX-512 kernel."""
+    is_gate_up = name.endswith("mlp.gate_up_proj") and old.bias is None
+    runs_gated = path == "avx512_vnni" and old.weight.dtype == torch.bfloat16
+    return is_gate_up and runs_gated and old.out_features % (2 * quant_layout.COLS) == 0
 
 
 def _float_report(name: str, module: nn.Module, why: str) -> LayerReport:

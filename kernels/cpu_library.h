@@ -47,10 +47,10 @@ void panel_linear_out(const at::Tensor& x, const at::Tensor& packed, const std::
 // How panel_linear multiplies a dtype's weights here ("amx", "avx512_bf16", "avx512"); "" where it cannot.
 std::string panel_linear_path(const std::string& dtype);
 
-// cpu_quant.cpp: x @ w.T (+ bias) for weights kept quantized in its layout (kernels/quant_layout.py), uint8
-// [ceil(N / 16), bytes a panel]; panel_linear_out hands such weights here.
+// cpu_quant.cpp: x @ w.T (+ bias), or silu(gate) * up when gated, for weights kept quantized in its layout
+// (kernels/quant_layout.py), uint8 [ceil(N / 16), bytes a panel]; panel_linear_out hands such weights here.
 void quant_linear_out(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n,
-                      at::Tensor out);
+                      bool gated, at::Tensor out);
 std::string quant_linear_path();  // "avx512_vnni", "avx_vnni", "avx2", or "" where it is not built
 
 }  // namespace pagedq

@@ -310,10 +310,8 @@ namespace pagedq {
 // out = x @ w.T (+ bias), or silu(gate) * up when gated, for x [M, K] rows with a contiguous last dimension.
 void panel_linear_out(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n,
                       bool gated, at::Tensor out) {
-  if (packed.scalar_type() == at::kByte) {  // weights kept quantized (kernels/cpu_quant.cpp)
-    TORCH_CHECK(!gated, "panel_linear: quantized weights are never gated");
-    return quant_linear_out(x, packed, bias, n, out);
-  }
+  if (packed.scalar_type() == at::kByte)  // weights kept quantized (kernels/cpu_quant.cpp)
+    return quant_linear_out(x, packed, bias, n, gated, out);
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == packed.scalar_type(),
               "panel_linear: x is [M, K] rows with a contiguous last dimension, in the weight's dtype");
   const int64_t rows = x.size(0), k = x.size(1), width = gated ? n / 2 : n;

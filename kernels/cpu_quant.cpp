@@ -51,6 +51,7 @@ struct Layout {
   constexpr bool operator==(const Layout& o) const {
     return bits == o.bits && block == o.block && half == o.half && symmetric == o.symmetric;
   }
+  constexpr bool operator!=(const Layout& o) const { return !(*this == o); }
 };
 
 constexpr Layout kLayouts[] = {{4, 32, false, false}, {4, 32, true, false}, {4, 32, true, true},
@@ -254,9 +255,28 @@ struct Avx512 {
       }
     });
   }
+
+  // silu(gate) * up of an MLP's gate-and-up projection whose panels alternate (2p: gate columns 16p to 16p + 15,
+  // 2p + 1: the same up columns), width = N / 2 a multiple of 16, no bias: gate and up rounded to bfloat16 first, as
+  // the projection's output is where they go apart (then silu_and_mul's roundings).
+  static void run_gated(const Activations& a, const uint8_t* panels, int64_t k, int64_t width, int64_t rows,
+                        c10::BFloat16* out) {
+    const int64_t blocks = k / Block;
+    const auto as_bf16 = [](__m512 v) { return pagedq::widen_bf16(pagedq::round_bf16(v)); };
+    for_panels(width, rows, a.group, [&](int64_t p, int64_t g) {
+      __m512 gate[kGroup], up[kGroup];
+      const int64_t count = std::min(a.group, rows - g * a.group);
+      sum_group(panels + 2 * p * blocks * kBlockBytes, blocks, a.at(g), a.group, count, gate);
+      sum_group(panels + (2 * p + 1) * blocks * kBlockBytes, blocks, a.at(g), a.group, count, up);
+      for (int64_t r = 0; r < count; ++r)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (g * a.group + r) * width + p * kCols),
+                            pagedq::silu_mul16(as_bf16(gate[r]), as_bf16(up[r])));
+    });
+  }
 };
 template <int Bits, int Block, bool Half, bool Symmetric>
 using Kernel = Avx512<Bits, Block, Half, Symmetric>;
+constexpr bool kGates = true;
 #endif
 
 #if defined(PAGEDQ_QUANT_AVX2)
@@ -412,32 +432,35 @@ struct Avx2 {
 };
 template <int Bits, int Block, bool Half, bool Symmetric>
 using Kernel = Avx2<Bits, Block, Half, Symmetric>;
+constexpr bool kGates = false;  // (the AVX-512 kernel's SiLU)
 #endif
 
 #if defined(PAGEDQ_QUANT_AVX512) || defined(PAGEDQ_QUANT_AVX2)
-// Layout `layout`'s kernel: the I-th of kLayouts or a later one.
+// Layout `layout`'s kernel: the I-th of kLayouts or a later one. gated: width is N / 2 (Avx512::run_gated).
 template <size_t I = 0, typename T>
 void run_layout(Layout layout, const Activations& a, const uint8_t* panels, int64_t k, const float* bias,
-                int64_t width, int64_t rows, T* out) {
+                int64_t width, bool gated, int64_t rows, T* out) {
   if constexpr (I < std::size(kLayouts)) {
     constexpr Layout kLayout = kLayouts[I];
-    if (layout == kLayout)
-      return Kernel<kLayout.bits, kLayout.block, kLayout.half, kLayout.symmetric>::run(a, panels, k, bias, width,
-                                                                                       rows, out);
-    run_layout<I + 1>(layout, a, panels, k, bias, width, rows, out);
+    using K = Kernel<kLayout.bits, kLayout.block, kLayout.half, kLayout.symmetric>;
+    if (layout != kLayout) return run_layout<I + 1>(layout, a, panels, k, bias, width, gated, rows, out);
+    if constexpr (kGates && std::is_same_v<T, c10::BFloat16>) {
+      if (gated) return K::run_gated(a, panels, k, width, rows, out);
+    }
+    K::run(a, panels, k, bias, width, rows, out);
   }
 }
 
 template <typename T>
 void run_quant(Layout layout, const T* x, int64_t lda, int64_t rows, int64_t k, const uint8_t* panels,
-               const float* bias, int64_t width, T* out) {
+               const float* bias, int64_t width, bool gated, T* out) {
   Activations a(rows, k, layout);
   // A decode batch's rows are quantized in microseconds: in a parallel region of their own, the threads' start and
   // wait would cost more than they save.
   at::parallel_for(0, rows, rows * k < (1 << 15) ? rows : 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) a.quantize(r, x + r * lda);
   });
-  run_layout(layout, a, panels, k, bias, width, rows, out);
+  run_layout(layout, a, panels, k, bias, width, gated, rows, out);
 }
 #endif
 
@@ -457,29 +480,33 @@ std::string quant_linear_path() {
 #endif
 }
 
+// out = x @ w.T (+ bias), or with gated silu(gate) * up [M, N / 2] of panels that alternate gate and up columns
+// (kernels/quant_layout.py gated_order; bfloat16 x, the AVX-512 kernel, no bias).
 void quant_linear_out(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n,
-                      at::Tensor out) {
+                      bool gated, at::Tensor out) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "quant_linear: x is float32 or bfloat16 [M, K] rows with a contiguous last dimension");
-  const int64_t rows = x.size(0), k = x.size(1), panels = round_up(n, kCols) / kCols;
+  const int64_t rows = x.size(0), k = x.size(1), panels = round_up(n, kCols) / kCols, width = gated ? n / 2 : n;
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.size(0) == panels &&
                   packed.is_contiguous(),
               "quant_linear: the weight is [ceil(N / 16), bytes a panel] uint8 (kernels/quant_layout.py)");
   const Layout layout = layout_of(packed.size(1), k);
-  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous()),
-              "quant_linear: a float32 bias of N values");
+  TORCH_CHECK(!bias || (!gated && bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous()),
+              "quant_linear: a float32 bias of N values, not gated");
+  TORCH_CHECK(!gated || (x.scalar_type() == at::kBFloat16 && width % kCols == 0 && quant_linear_path() == "avx512_vnni"),
+              "quant_linear: gated is for bfloat16 x, N / 2 a multiple of 16, on the AVX-512 kernel");
   TORCH_CHECK(out.scalar_type() == x.scalar_type() && out.is_contiguous() && out.dim() == 2 && out.size(0) == rows &&
-                  out.size(1) == n,
-              "quant_linear: out is a contiguous [M, N] tensor in x's dtype");
+                  out.size(1) == width,
+              "quant_linear: out is a contiguous [M, ", width, "] tensor in x's dtype");
   TORCH_CHECK(!quant_linear_path().empty(), "quant_linear: not built on this CPU (it needs AVX-512 VNNI or AVX2)");
   if (rows == 0) return;
 #if defined(PAGEDQ_QUANT_AVX512) || defined(PAGEDQ_QUANT_AVX2)
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
   if (x.scalar_type() == at::kFloat)
-    run_quant(layout, x.data_ptr<float>(), x.stride(0), rows, k, packed.data_ptr<uint8_t>(), b, n,
+    run_quant(layout, x.data_ptr<float>(), x.stride(0), rows, k, packed.data_ptr<uint8_t>(), b, width, gated,
               out.data_ptr<float>());
   else
-    run_quant(layout, x.data_ptr<c10::BFloat16>(), x.stride(0), rows, k, packed.data_ptr<uint8_t>(), b, n,
+    run_quant(layout, x.data_ptr<c10::BFloat16>(), x.stride(0), rows, k, packed.data_ptr<uint8_t>(), b, width, gated,
               out.data_ptr<c10::BFloat16>());
 #else
   (void)layout;

@@ -209,6 +209,13 @@ def symmetric(blocks: Blocks) -> bool:
     return half_scales(blocks) and np.array_equal(blocks.min, -(2 ** (blocks.bits - 1)) * blocks.scale)
 
 
+def gated_order(n: int) -> np.ndarray:
+    """The row order that packs a [gate; up] projection of N rows (N / 2 a multiple of 16) for the kernel's gated
+    multiply (silu(gate) * up): panel 2p holds gate rows 16p to 16p + 15, panel 2p + 1 the same rows of up."""
+    first = np.arange(n // 2).reshape(-1, COLS)
+    return np.stack([first, first + n // 2], axis=1).reshape(-1)
+
+
 def pack(blocks: Blocks) -> np.ndarray:
     """[ceil(N / 16), bytes a panel] uint8 in kernels/cpu_quant.cpp's layout; rows past N are zeros. Scales and mins
     are float16 where half_scales, else float32; a symmetric layer's mins are left out."""

@@ -68,13 +68,14 @@ AVX2_OPS = """
 
 namespace pagedq {
 void quant_linear_out(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n,
-                      at::Tensor out);
+                      bool gated, at::Tensor out);
 std::string quant_linear_path();
 }  // namespace pagedq
 
 TORCH_LIBRARY(pagedq_quant_avx2, m) {
   m.def("path() -> str", &pagedq::quant_linear_path);
-  m.def("linear(Tensor x, Tensor packed, Tensor? bias, int n, Tensor(a!) out) -> ()", &pagedq::quant_linear_out);
+  m.def("linear(Tensor x, Tensor packed, Tensor? bias, int n, bool gated, Tensor(a!) out) -> ()",
+        &pagedq::quant_linear_out);
 }
 """
 
@@ -176,22 +177,41 @@ def test_avx2_kernel_matches_a_float_matmul(avx2_ops, fmt, n, k, dtype):
 
     def multiply(x, packed, bias, n):
         out = torch.empty(x.shape[0], n, dtype=x.dtype)
-        avx2_ops.linear(x, packed, bias, n, out)
+        avx2_ops.linear(x, packed, bias, n, False, out)
         return out
 
     check_kernel(multiply, fmt, n, k, dtype)
 
 
-def test_kernel_writes_into_out_and_rejects_a_gated_weight(ops):
+def test_kernel_writes_into_out_and_rejects_a_float32_gated_call(ops):
     blocks = quant_layout.read_q8_0(raw_blocks("Q8_0", 32, 64))
     packed = torch.from_numpy(quant_layout.pack(blocks))
     x, out = torch.randn(3, 64), torch.full((3, 32), 7.0)
     ops.panel_linear(x, packed, None, 32, False, out)
     torch.testing.assert_close(out, F.linear(int8_rows(x, 32), torch.from_numpy(blocks.dequantize())))
-    with pytest.raises(RuntimeError, match="gated"):
+    with pytest.raises(RuntimeError, match="gated is for bfloat16"):  # float32 x
         ops.panel_linear(x, packed, None, 32, True)
     with pytest.raises(RuntimeError, match="no layout"):
         ops.panel_linear(torch.randn(3, 128), packed, None, 32, False)  # 9 bytes an input: no layout's
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q6_K"])
+def test_gated_kernel_is_silu_and_mul_of_the_projection(quant_backend, ops, fmt):
+    """A [gate; up] projection packed in gated_order returns silu_and_mul of the plain projection, bit for bit
+    (bfloat16: the projection's outputs rounded, then silu_and_mul's roundings), at every row count."""
+    path = quant_backend.linear_paths["quantized"]
+    if path != "avx512_vnni":
+        pytest.skip(f"avx512_vnni: gated is the AVX-512 kernel's only, and this CPU runs {path}")
+    from kernels import cpu_ops
+
+    blocks = weights(fmt, 64, 512)  # gate rows 0-31, up rows 32-63: two pairs of panels
+    plain = torch.from_numpy(quant_layout.pack(blocks))
+    gated = torch.from_numpy(quant_layout.pack(blocks.rows(quant_layout.gated_order(64))))
+    for rows in ROWS:
+        x = torch.randn(rows, 512).bfloat16()
+        got = ops.panel_linear(x, gated, None, 64, True)
+        assert got.shape == (rows, 32)
+        assert torch.equal(got, cpu_ops.silu_and_mul(ops.panel_linear(x, plain, None, 64, False))), f"{rows} rows"
 
 
 def test_int8_per_channel_within_half_a_step():
