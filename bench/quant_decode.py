@@ -2,8 +2,8 @@
 
 For each pagedq configuration (quantization, dtype) this loads the engine, fills `batch` sequences with a short
 prompt, and times decode steps alone (engine.step with every sequence decoding; the configurations in turn, the
-median of --rounds rounds): ms a step, tokens/s, and the bytes
-of linear weights a step reads over the step's time (GB/s), beside the machine's measured copy bandwidth. With
+median of --rounds rounds): ms a step, tokens/s, and the bytes of linear weights a step reads over the step's time
+(GB/s), beside the machine's measured copy bandwidth. With
 --llamacpp-server, llama-server on the model's GGUF decodes one request of the same length: its own time per token.
 
     python -m bench.quant_decode --batch 1 16 --out docs/bench/quant-decode-zen4.json --llamacpp-server BIN

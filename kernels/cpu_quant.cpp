@@ -1,8 +1,9 @@
 // Linear layers on weights kept quantized (GGUF Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks, int8 per channel), multiplied
 // with integer dot products: AVX-512 VNNI (vpdpbusd, 16 columns a register), else AVX2 (8 columns a register:
 // AVX-VNNI's vpdpbusd where the CPU has it, else vpmaddubsw + vpmaddwd). A decode step reads every weight once, so
-// its pace is bytes over memory bandwidth: 4-bit weights are read as 0.5625-0.625 bytes (0.75 with float32 scales),
-// 8-bit as 1.0625-1.125 (1.25; 1.5 for Q6_K), against bfloat16's 2. With many rows (batch 16, prompts) it is the multiply's pace instead.
+// its pace is bytes over memory bandwidth: 4-bit weights are read as 0.5625-0.625 bytes (0.75 with float32
+// scales), 8-bit as 1.0625-1.125 (1.25; 1.5 for Q6_K), against bfloat16's 2. With many rows (batch 16, prompts) it
+// is the multiply's pace instead.
 //
 // kernels/quant_layout.py repacks a format's blocks, losslessly, into one layout of this file: each weight is
 // scale * u + min, u an unsigned 4- or 8-bit integer, with a float32 scale and min per output column and block of B
@@ -72,8 +73,9 @@ constexpr int64_t kGroupsPerPass = 8;
 
 // The rows' activations as int8, in groups of `group` rows (kGroup, or all of fewer): per group and block, the
 // block's qx as words of 4 inputs (quad after quad, the group's rows side by side), then the rows' dx, then their
-// dx * sum(qx) (float32), or for a symmetric layout offset * sum(qx) (int32: where the integer sums start). A kernel reads a row's word at a fixed offset from the block's start, so the broadcast folds into
-// the dot product's operand; a decode row alone has no gaps (they would take cache from the streaming weights).
+// dx * sum(qx) (float32), or for a symmetric layout offset * sum(qx) (int32: where the integer sums start). A
+// kernel reads a row's word at a fixed offset from the block's start, so the broadcast folds into the dot product's
+// operand; a decode row alone has no gaps (they would take cache from the streaming weights).
 // Words of a row past the last in its group are never read, so they are left as they are: the buffer is the calling
 // thread's, kept from call to call (a new one a call was pages zeroed by the kernel, ~5% of a batch-16 step).
 struct Activations {
@@ -493,8 +495,8 @@ void quant_linear_out(const at::Tensor& x, const at::Tensor& packed, const std::
   const Layout layout = layout_of(packed.size(1), k);
   TORCH_CHECK(!bias || (!gated && bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous()),
               "quant_linear: a float32 bias of N values, not gated");
-  TORCH_CHECK(!gated || (x.scalar_type() == at::kBFloat16 && width % kCols == 0 && quant_linear_path() == "avx512_vnni"),
-              "quant_linear: gated is for bfloat16 x, N / 2 a multiple of 16, on the AVX-512 kernel");
+  const bool gates = x.scalar_type() == at::kBFloat16 && width % kCols == 0 && quant_linear_path() == "avx512_vnni";
+  TORCH_CHECK(!gated || gates, "quant_linear: gated is for bfloat16 x, N / 2 a multiple of 16, on the AVX-512 kernel");
   TORCH_CHECK(out.scalar_type() == x.scalar_type() && out.is_contiguous() && out.dim() == 2 && out.size(0) == rows &&
                   out.size(1) == width,
               "quant_linear: out is a contiguous [M, ", width, "] tensor in x's dtype");
@@ -506,8 +508,8 @@ void quant_linear_out(const at::Tensor& x, const at::Tensor& packed, const std::
     run_quant(layout, x.data_ptr<float>(), x.stride(0), rows, k, packed.data_ptr<uint8_t>(), b, width, gated,
               out.data_ptr<float>());
   else
-    run_quant(layout, x.data_ptr<c10::BFloat16>(), x.stride(0), rows, k, packed.data_ptr<uint8_t>(), b, width, gated,
-              out.data_ptr<c10::BFloat16>());
+    run_quant(layout, x.data_ptr<c10::BFloat16>(), x.stride(0), rows, k, packed.data_ptr<uint8_t>(), b, width,
+              gated, out.data_ptr<c10::BFloat16>());
 #else
   (void)layout;
 #endif

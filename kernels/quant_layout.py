@@ -158,10 +158,11 @@ READERS = {"Q8_0": read_q8_0, "Q4_0": read_q4_0, "Q4_1": read_q4_1, "Q5_0": read
 def _half(a: np.ndarray, up: bool) -> np.ndarray:
     """a rounded up (or down) to values a float16 holds exactly, as float32: pack then stores them in 2 bytes. Kept
     as it was where a float16 would overflow."""
-    near = a.astype(np.float16)
-    beyond = near < a if up else near > a
-    moved = np.where(beyond, np.nextafter(near, np.float16(np.inf if up else -np.inf)), near).astype(np.float32)
-    return np.where(np.isfinite(moved), moved, a)
+    with np.errstate(over="ignore"):
+        near = a.astype(np.float16)
+        beyond = near < a if up else near > a
+        moved = np.where(beyond, np.nextafter(near, np.float16(np.inf if up else -np.inf)), near).astype(np.float32)
+    return np.where(np.isfinite(near) & np.isfinite(moved), moved, a)
 
 
 def int8_per_channel(weight: np.ndarray) -> Blocks:

@@ -137,8 +137,8 @@ def test_shapes_cover_every_layout():
         return b.bits, b.block, quant_layout.half_scales(b), quant_layout.symmetric(b)
 
     covered = {layout(weights(fmt, n, k)) for fmt, n, k in SHAPES}
-    assert covered == {(bits, 32, half, sym) for bits in (4, 8) for half, sym in ((False, False), (True, False),
-                                                                                 (True, True))} | {(8, 16, False, False)}
+    scales = ((False, False), (True, False), (True, True))  # (float16, no mins)
+    assert covered == {(bits, 32, *kind) for bits in (4, 8) for kind in scales} | {(8, 16, False, False)}
 
 
 def check_kernel(multiply, fmt: str, n: int, k: int, dtype: torch.dtype) -> None:
@@ -223,6 +223,15 @@ def test_int8_per_channel_within_half_a_step():
     assert quant_layout.half_scales(blocks)
     assert np.all(np.abs(blocks.dequantize() - w) <= blocks.scale[:, :1] / 2 + 1e-7)
     assert not blocks.dequantize()[3].any()
+
+
+def test_scales_past_float16_stay_float32():
+    """Weights whose scales a float16 cannot hold (past 65504) keep float32 scales, and their rounding."""
+    w = np.random.default_rng(2).standard_normal((4, 64)).astype(np.float32) * 1e8
+    for blocks in (quant_layout.int8_per_channel(w), quant_layout.int4_groups(w)):
+        assert not quant_layout.half_scales(blocks)
+        err = np.abs(blocks.dequantize() - w).reshape(4, -1, 32)
+        assert np.all(err <= blocks.scale[..., None] / 2 * (1 + 1e-5))
 
 
 def test_mixed_formats_stack_in_the_widest_layout():
