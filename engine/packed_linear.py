@@ -49,6 +49,13 @@ class PanelLinear(nn.Module):
         return self.ops.panel_linear(x, self.packed, self.bias, self.out_features, self.activates, out)
 
 
+def fuses_activation(name: str, linear: nn.Linear) -> bool:
+    """Whether `linear` (module `name`) is an MLP's [gate; up] projection that a panel kernel returns silu(gate) * up
+    of: bfloat16, no bias, each half whole panels of 16 columns."""
+    halves_fit = (linear.out_features // 2) % 16 == 0 and linear.bias is None
+    return name.rpartition(".")[2] == "gate_up_proj" and halves_fit and linear.weight.dtype == torch.bfloat16
+
+
 def _onednn(linear: nn.Linear, batch_hint: int) -> PackedLinear:
     w = linear.weight.detach()
     layer = PackedLinear(linear, torch.ops.mkldnn._reorder_linear_weight(w, batch_hint))
@@ -74,9 +81,7 @@ def pack_linears(model: nn.Module, batch_hint: int, backend=None) -> int:
     def pack(name: str, linear: nn.Linear) -> nn.Module:
         if names[linear.weight.dtype] not in paths or linear.in_features % 32:
             return _onednn(linear, batch_hint)
-        halves_fit = (linear.out_features // 2) % 16 == 0 and linear.bias is None
-        gated = name == "gate_up_proj" and halves_fit and linear.weight.dtype == torch.bfloat16
-        return PanelLinear(linear, backend.linears, gated)
+        return PanelLinear(linear, backend.linears, fuses_activation(name, linear))
 
     swapped = 0
     for parent, name, child in targets:

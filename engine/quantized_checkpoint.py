@@ -110,9 +110,8 @@ def layers(folder: Path, s: Scheme) -> Iterator[tuple[str, Groups]]:
     for file in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             keys = set(f.keys())
-            for key in sorted(keys):
-                if key.endswith(".qweight"):
-                    yield key.removesuffix(".qweight"), _read(f, keys, key.removesuffix(".qweight"), s)
+            for prefix in sorted(k.removesuffix(".qweight") for k in keys if k.endswith(".qweight")):
+                yield prefix, _read(f, keys, prefix, s)
 
 
 def dequantized(folder: Path, s: Scheme) -> Iterator[tuple[str, torch.Tensor]]:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from engine import gguf_index
-from engine.packed_linear import PanelLinear
+from engine.packed_linear import PanelLinear, fuses_activation
 from engine.quantized_checkpoint import read_checkpoint, scheme
 from kernels import quant_layout
 from kernels.quant_layout import Blocks
@@ -192,11 +192,9 @@ def _swap(modules: dict[str, nn.Module], name: str, blocks: Blocks, fmt: str, ba
 
 
 def gates(name: str, old: nn.Module, path: str) -> bool:
-    """Whether the quantized layer in place of `old` returns silu(gate) * up itself (as a bfloat16 PanelLinear's
-    does): an MLP's gate-and-up projection in bfloat16, halves of whole panels, no bias, on the AVX-512 kernel."""
-    is_gate_up = name.endswith("mlp.gate_up_proj") and old.bias is None
-    runs_gated = path == "avx512_vnni" and old.weight.dtype == torch.bfloat16
-    return is_gate_up and runs_gated and old.out_features % (2 * quant_layout.COLS) == 0
+    """Whether the quantized layer in place of `old` returns silu(gate) * up itself, as a bfloat16 PanelLinear's
+    does (the same rule), where the AVX-512 kernel runs it."""
+    return path == "avx512_vnni" and fuses_activation(name, old)
 
 
 def _float_report(name: str, module: nn.Module, why: str) -> LayerReport:

@@ -204,10 +204,12 @@ def half_scales(blocks: Blocks) -> bool:
     return blocks.block == 32 and exact_in_half(blocks.scale) and exact_in_half(blocks.min)
 
 
-def symmetric(blocks: Blocks) -> bool:
+def symmetric(blocks: Blocks, half: bool | None = None) -> bool:
     """Whether pack stores no mins for these blocks: every min is -2^(bits - 1) times its scale (u a signed integer
-    stored offset: Q8_0, Q4_0, int8), with float16 scales; the kernel puts the offset into its integer sums."""
-    return half_scales(blocks) and np.array_equal(blocks.min, -(2 ** (blocks.bits - 1)) * blocks.scale)
+    stored offset: Q8_0, Q4_0, int8), with float16 scales (half: half_scales(blocks), where the caller has it); the
+    kernel puts the offset into its integer sums."""
+    half = half_scales(blocks) if half is None else half
+    return half and np.array_equal(blocks.min, -(2 ** (blocks.bits - 1)) * blocks.scale)
 
 
 def gated_order(n: int) -> np.ndarray:
@@ -233,7 +235,7 @@ def pack(blocks: Blocks) -> np.ndarray:
     if blocks.bits == 4:  # quads 2i and 2i + 1 in the low and high nibbles of one register
         q = q[:, :, 0::2] | (q[:, :, 1::2] << 4)
     q = q.reshape(panels, nb, -1)
-    kind = np.float16 if half_scales(blocks) else np.float32
-    per_block = [a.astype(kind).reshape(panels, COLS, nb).transpose(0, 2, 1).copy().view(np.uint8)
-                 for a in ((scale,) if symmetric(blocks) else (scale, mins))]
+    half = half_scales(blocks)
+    per_block = [a.astype(np.float16 if half else np.float32).reshape(panels, COLS, nb).transpose(0, 2, 1).copy()
+                 .view(np.uint8) for a in ((scale,) if symmetric(blocks, half) else (scale, mins))]
     return np.ascontiguousarray(np.concatenate([q, *per_block], axis=2).reshape(panels, -1))
