@@ -14,6 +14,16 @@ FinishReason = Literal["stop", "length", "cancelled", "error", "expired"]
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 
 _ID_RE = re.compile(r"^[\x21-\x7e]{1,200}$")  # printable ASCII without spaces: it becomes part of key names
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")  # a lone UTF-16 half: JSON can spell it, UTF-8 cannot hold it
+
+# Bounds every worker can hold whatever its settings (Limits holds the configurable ones): each value fits the
+# integer or float32 that the engine turns it into, so no arithmetic on it can overflow.
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_TEMPERATURE = 100.0  # far past the point where sampling is uniform; keeps logits / temperature finite
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0  # logits are multiplied or divided by it
+MAX_LENGTH_PENALTY = 10.0  # beam search divides by length ** length_penalty, either sign
+MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
 
 def new_id() -> str:
@@ -33,30 +43,33 @@ class JobRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     id: str = Field(default_factory=new_id)  # the idempotency key: a second submit with the same id is refused
-    model: str | None = None  # None: whatever model the queue's workers serve
+    model: str | None = Field(default=None, max_length=256)  # None: whatever model the queue's workers serve
     prompt: str | None = None
     messages: list[Message] | None = None
-    max_tokens: int = Field(default=256, ge=1)
-    temperature: float = Field(default=1.0, ge=0)  # 0: greedy
+    # Past the model's context the output ends there ("length"); Limits.max_tokens bounds it at submit.
+    max_tokens: int = Field(default=256, ge=1, le=INT32_MAX)
+    temperature: float = Field(default=1.0, ge=0, le=MAX_TEMPERATURE)  # 0: greedy
     top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=-1, le=2**31 - 1)  # 0 or -1: off. Bounded: the sampler makes a tensor of it
+    top_k: int = Field(default=0, ge=-1, le=INT32_MAX)  # 0 or -1: off. Bounded: the sampler makes a tensor of it
     min_p: float = Field(default=0.0, ge=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
+    # Each below the model's vocabulary size too: the worker checks that, as only it knows the model.
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
     # OpenAI's ranges; repetition_penalty is vLLM's (> 1 discourages repeats, 1 is off).
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(default=1.0, gt=0, le=100)
+    repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     # Several continuations of the prompt, on shared KV blocks (the engine's SamplingParams): n returned; best_of
     # run and the n of highest cumulative logprob returned; or beam search (greedy: temperature 0).
-    n: int = Field(default=1, ge=1)
-    best_of: int | None = Field(default=None, ge=1)
+    # Limits.max_n / max_width bound these, and the worker refuses a width its batch or KV cache can never hold.
+    n: int = Field(default=1, ge=1, le=INT32_MAX)
+    best_of: int | None = Field(default=None, ge=1, le=INT32_MAX)
     use_beam_search: bool = False
-    beam_width: int | None = Field(default=None, ge=1)  # None: best_of, else n
-    length_penalty: float = 1.0
+    beam_width: int | None = Field(default=None, ge=1, le=INT32_MAX)  # None: best_of, else n
+    length_penalty: float = Field(default=1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
     early_stopping: bool | Literal["never"] = False
     # What the output must parse as, at most one of: OpenAI's response_format ({"type": "text" | "json_object" |
     # "json_schema", "json_schema": {"name", "schema", "strict"}}) or vLLM's guided_* fields. The worker masks
@@ -66,9 +79,21 @@ class JobRequest(BaseModel):
     guided_regex: str | None = Field(default=None, min_length=1)
     guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, min_length=1)
     guided_grammar: str | None = Field(default=None, min_length=1)  # Lark, or GBNF / EBNF as llama.cpp writes it
-    priority: int = 0  # lower runs first
-    timeout_s: float | None = Field(default=None, gt=0)  # from enqueue; past it the job expires
+    priority: int = Field(default=0, ge=-INT32_MAX, le=INT32_MAX)  # lower runs first
+    timeout_s: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)  # from enqueue; past it the job expires
     metadata: dict[str, Any] = Field(default_factory=dict)  # opaque to the worker; echoed in the result
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        # A lone surrogate ("\\ud800" in JSON) passes as a Python str, then fails wherever the text is encoded: the
+        # tokenizer, Redis, a response. Refused here, naming where it is.
+        found = lone_surrogate(data)
+        if found is not None:
+            where, char = found
+            raise ValueError(f"{where or 'request'}: text is not valid Unicode (a lone surrogate, U+{ord(char):04X}): "
+                             f"send UTF-8 text")
+        return data
 
     @field_validator("id", mode="before")
     @classmethod
@@ -99,13 +124,6 @@ class JobRequest(BaseModel):
         except (TypeError, ValueError, RecursionError) as e:
             raise ValueError(f"metadata must be plain JSON (objects, arrays, strings, finite numbers, true, "
                              f"false, null): {e}") from None
-        return v
-
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _check_stop_ids(cls, v: list[int]) -> list[int]:
-        if any(t < 0 for t in v):
-            raise ValueError("stop_token_ids must be >= 0")
         return v
 
     @property
@@ -191,6 +209,26 @@ class JobRequest(BaseModel):
         return self
 
 
+def lone_surrogate(value: Any) -> tuple[str, str] | None:
+    """(the dotted path, the character) of the first lone surrogate in any string of `value`, keys included, or
+    None. A walk with its own stack: a 5,000-deep nest is no reason to fail with anything but a clear error."""
+    todo: list[tuple[str, Any]] = [("", value)]
+    while todo:
+        path, v = todo.pop()
+        if isinstance(v, str):
+            found = _SURROGATE_RE.search(v)
+            if found:
+                return path, found.group()
+        elif isinstance(v, dict):
+            for k, item in reversed(list(v.items())):
+                at = f"{path}.{k}" if path else str(k)
+                todo.append((at, item))
+                todo.append((at, k))
+        elif isinstance(v, (list, tuple)):
+            todo.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(v))))
+    return None
+
+
 def metadata_bytes(metadata: dict[str, Any]) -> int:
     """The size the metadata limit counts: UTF-8 bytes of its compact JSON (one measure in every language)."""
     return len(json.dumps(metadata, separators=(",", ":"), ensure_ascii=False).encode())
@@ -204,6 +242,8 @@ class Limits(BaseModel):
     max_tokens: int = 32_768
     max_metadata_bytes: int = 16_384
     max_stop: int = 16
+    max_stop_chars: int = 1_000  # each stop string: every new token's text is matched against them
+    max_stop_token_ids: int = 256  # beam search ranks (1 + this) x beams candidates a step
     max_n: int = 16  # continuations returned
     max_width: int = 32  # continuations run at once: best_of, beam_width
     max_constraint_bytes: int = 65_536  # a schema, regex, grammar or the choices, as compact JSON
@@ -219,6 +259,11 @@ class Limits(BaseModel):
             raise ValueError(f"max_tokens is {req.max_tokens}, the limit is {self.max_tokens}")
         if len(req.stop) > self.max_stop:
             raise ValueError(f"{len(req.stop)} stop strings, the limit is {self.max_stop}")
+        longest = max(map(len, req.stop), default=0)
+        if longest > self.max_stop_chars:
+            raise ValueError(f"a stop string is {longest} characters, the limit is {self.max_stop_chars}")
+        if len(req.stop_token_ids) > self.max_stop_token_ids:
+            raise ValueError(f"{len(req.stop_token_ids)} stop_token_ids, the limit is {self.max_stop_token_ids}")
         if req.n > self.max_n:
             raise ValueError(f"n is {req.n}, the limit is {self.max_n}")
         if req.width > self.max_width:
