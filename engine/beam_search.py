@@ -10,11 +10,27 @@ beams finished with early_stopping=True, or no candidate can go on).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 NEG = -1.0e9  # transformers' score for "not a candidate"
+
+
+def length_norm(length: int, penalty: float) -> float:
+    """length ** penalty, saturating at infinity where a float cannot hold it (a long beam, a large penalty): the
+    score it divides then goes to 0 instead of the step raising OverflowError."""
+    try:
+        return float(length) ** penalty
+    except OverflowError:
+        return math.inf
+
+
+def _normalized(logprob: float, length: int, penalty: float) -> float:
+    """A beam's score: its logprob over length ** penalty (-inf where that is 0: the beam is hopeless)."""
+    norm = length_norm(length, penalty)
+    return logprob / norm if norm else -math.inf
 
 
 @dataclass
@@ -47,6 +63,7 @@ class BeamSearch:
         self.finished: list[Hypothesis | None] = [None] * width
         self.finished_flags = torch.zeros(width, dtype=torch.bool)
         self.improvable = True  # transformers' is_early_stop_heuristic_unsatisfied
+        self.unfinished: list[Hypothesis] = []  # the open beams when the search ended, best first
 
     def step(self, values: list[float], indices: list[int], beams: list[list[int]], vocab: int
              ) -> tuple[list[Continuation], bool]:
@@ -59,19 +76,24 @@ class BeamSearch:
         tokens = [i % vocab for i in indices]
         hits = torch.tensor([t in self.stop_ids or cur_len + 1 >= self.max_len for t in tokens])
         running = topk + hits.to(torch.float32) * NEG
-        keep = torch.topk(running, k=self.width)[1].tolist()
+        keep = torch.topk(running, k=min(self.width, len(values)))[1].tolist()
         carry = [Continuation(beam_of[j], tokens[j], float(running[j])) for j in keep]
         self._finish(topk, hits, beam_of, tokens, beams, cur_len)
         self.scores = [c.score for c in carry]
         self._update_improvable(cur_len + 1)
         exists_open = not (bool(self.finished_flags.all()) and self.early_stopping is True)
-        return carry, not (self.improvable and exists_open and not bool(hits.all()))
+        over = not (self.improvable and exists_open and not bool(hits.all()))
+        if over:
+            length = cur_len + 1 - self.prompt_len
+            self.unfinished = [Hypothesis(beams[c.beam] + [c.token], _normalized(c.score, length, self.length_penalty),
+                                          c.score, False) for c in carry]
+        return carry, over
 
     def _finish(self, topk: torch.Tensor, hits: torch.Tensor, beam_of: list[int], tokens: list[int],
                 beams: list[list[int]], cur_len: int) -> None:
         """Candidates among the first `width` that end join the finished hypotheses if they rank among the best."""
         just = hits & (torch.arange(len(tokens)) < self.width)
-        scores = topk / ((cur_len + 1 - self.prompt_len) ** self.length_penalty)
+        scores = topk / length_norm(cur_len + 1 - self.prompt_len, self.length_penalty)
         full = bool(self.finished_flags.all()) and self.early_stopping is True
         scores += float(full) * NEG
         scores += float(not self.improvable) * NEG
@@ -95,10 +117,13 @@ class BeamSearch:
             best_len = self.max_len - self.prompt_len
         else:
             best_len = cur_len - self.prompt_len
-        best_running = torch.tensor([self.scores[0]], dtype=torch.float32) / (best_len ** self.length_penalty)
+        best_running = torch.tensor([self.scores[0]], dtype=torch.float32) / length_norm(best_len, self.length_penalty)
         worst = torch.where(self.finished_flags, self.finished_scores.min(), torch.tensor(NEG))
         self.improvable = self.improvable and bool((best_running > worst).any())
 
     def results(self, n: int) -> list[Hypothesis]:
-        """The n best finished hypotheses, best first."""
-        return [h for h, done in zip(self.finished[:n], self.finished_flags[:n].tolist()) if h is not None and done]
+        """The n best finished hypotheses, best first. A search that ended with fewer (every open beam hopeless
+        under an extreme length_penalty, say) fills up with its best open beams, as if the length limit had ended
+        them: a request always gets its n."""
+        done = [h for h, flag in zip(self.finished[:n], self.finished_flags[:n].tolist()) if h is not None and flag]
+        return done + self.unfinished[: n - len(done)]

@@ -36,6 +36,8 @@ from engine.step_inputs import Feed
 log = logging.getLogger("pagedq.engine")
 _PLAIN_GREEDY = attrgetter("plain_greedy")
 GONE = "gone"  # a landed row that makes no output: its request ended while the step ran
+SELF_CHECK_ID = "pagedq-self-check"
+SELF_CHECK_STEPS = 8
 
 
 @dataclass
@@ -174,6 +176,7 @@ class LLMEngine:
             )
         if request_id in self.scheduler.by_id or request_id in self.compiling:
             raise ValueError(f"request id {request_id!r} is already in the engine")
+        self._check_fits(params, len(ids))
         choices = dict(resume or {})
         if resume_token_ids:
             choices[0] = (list(resume_token_ids), resume_text, None)
@@ -210,6 +213,32 @@ class LLMEngine:
         group.unreported = len(group.seqs)
         group.forked = True
         self._admit(seq, lambda: self.scheduler.add_group(group.seqs))
+
+    def _check_fits(self, params: SamplingParams, prompt_len: int) -> None:
+        """ValueError, naming the field, for a request this engine could never run: a stop token past the
+        vocabulary, or more sequences than a batch holds, or more KV blocks than the cache has (it would wait, or be
+        preempted by itself, for ever)."""
+        vocab = self.vocab_size
+        bad = next((t for t in params.stop_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: {bad!r} is not a token of this model: give ids in [0, {vocab})")
+        width, field = params.width, params.width_field
+        if width > self.config.max_num_seqs:
+            raise ValueError(f"{field} is {width}: this engine runs at most {self.config.max_num_seqs} sequences at "
+                             f"once (max_num_seqs), so the request could never start")
+        need = self._blocks_at_most(width, prompt_len, params.max_tokens)
+        if need > self.num_total_blocks:
+            raise ValueError(f"{field} is {width} with max_tokens {params.max_tokens}: its continuations may need "
+                             f"{need} KV blocks, and this engine's cache holds {self.num_total_blocks}: lower "
+                             f"{field} or max_tokens")
+
+    def _blocks_at_most(self, width: int, prompt_len: int, max_tokens: int) -> int:
+        """KV blocks a request of `width` sequences holds at its longest: the prompt's full blocks, shared, and each
+        sequence's own from there."""
+        bs = self.config.block_size
+        longest = min(prompt_len + max_tokens, self.max_model_len)
+        shared = prompt_len // bs
+        return shared + width * (-(-longest // bs) - shared)
 
     def _admit(self, seq: Sequence, admit: Callable[[], None]) -> None:
         """Hand a new request to the scheduler (admit), once its constraint, if any, is compiled. A compile already
@@ -295,6 +324,49 @@ class LLMEngine:
         seq.group.seqs = []
         self.scheduler.forget(request_id)
         return True
+
+    def reset(self) -> list[str]:
+        """Drop every request and every step in flight, after a step raised: whatever that step left half done (a
+        table, a placeholder token, a group's beams) goes with fresh bookkeeping, and the KV cache is all free.
+        Returns the ids of the requests dropped; they make no more outputs, and may be added again."""
+        dropped = list(dict.fromkeys([*self.scheduler.by_id, *self.compiling]))
+        self.in_flight.clear()
+        self.compiling.clear()
+        self.refused = []
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching)
+        self.runner.forget_steps(self.block_manager.tables)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.groups = GroupSteps(self.scheduler, self.block_manager, self.groups.detokenizer)
+        self.last_batch = SchedulerOutput()
+        return dropped
+
+    def landed(self, request_id: str) -> int | None:
+        """Output tokens the request's furthest sequence has landed (resumed ones included), or None if it is not in
+        the engine. A step that raised may have landed some of its tokens: they count."""
+        seq = self.scheduler.by_id.get(request_id)
+        if seq is None:
+            return 0 if request_id in self.compiling else None
+        members = [seq] if seq.group is None else [seq, *seq.group.seqs, *seq.group.done]
+        return max(m.num_output_tokens - (m.token_ids[-1] == PLACEHOLDER) for m in members)
+
+    def self_check(self) -> str | None:
+        """Run one tiny greedy request alone, on an empty engine -> None if it passed, else its error. A step that
+        fails on this too has no request to blame: the device, the model or the engine is broken."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("self_check runs on an empty engine")
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        try:
+            self.add_request(SELF_CHECK_ID, prompt_token_ids=[0], params=params)
+            for _ in range(SELF_CHECK_STEPS):
+                if not self.has_unfinished_requests():
+                    return None
+                self.step()
+            return f"a {params.max_tokens}-token request did not finish in {SELF_CHECK_STEPS} steps"
+        except Exception as e:  # noqa: BLE001 (any error is the answer)
+            return f"{type(e).__name__}: {e}"
+        finally:
+            self.reset()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.in_flight) or self.scheduler.has_unfinished() or bool(self.compiling)
@@ -565,7 +637,7 @@ class LLMEngine:
             lp = step.logprobs[row]
             top = {}
             if n:
-                values, ids = lp.topk(n)
+                values, ids = lp.topk(min(n, lp.numel()))
                 top = dict(zip(ids.tolist(), values.tolist()))
             entries.append([(float(lp[token]), top)])
         return entries

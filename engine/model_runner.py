@@ -20,7 +20,7 @@ from engine.decode_buffers import DecodeBuffers
 from engine.loader import cache_root, gguf_source
 from engine.models.llama import SUPPORTED_ARCHS, AttnContext, LlamaForCausalLM
 from engine.packed_linear import PanelLinear, pack_linears
-from engine.parallel import Shard, split_heads
+from engine.parallel import Shard, fail, split_heads
 from engine.quantized_checkpoint import scheme
 from engine.quantized_linear import check_mode, quantize, summary
 from engine.sampler import SamplingBatch, sample
@@ -270,20 +270,35 @@ class ModelRunner:
         inputs = step_inputs.build(batch, self.tables.array, self.config.block_size, self._steady_after(batch),
                                    feed is not None and feed.every_row)
         self._last_seqs, self._last_inputs = batch.seqs, inputs
-        if self.shard.parallel:  # the other ranks run the same forward on their shards
-            from engine.tp_worker import send_step
+        with self._in_lockstep():
+            if self.shard.parallel:  # the other ranks run the same forward on their shards
+                from engine.tp_worker import send_step
 
-            send_step(self.shard, inputs, copies)
-        hidden = self._forward(inputs, copies, feed)
-        if not len(inputs.sample_rows):
-            return torch.empty(0, dtype=torch.long, device=self.device), torch.empty(0), []
-        logits = self._logits(self._sampled(hidden, inputs))
+                send_step(self.shard, inputs, copies)
+            hidden = self._forward(inputs, copies, feed)
+            if not len(inputs.sample_rows):
+                return torch.empty(0, dtype=torch.long, device=self.device), torch.empty(0), []
+            logits = self._logits(self._sampled(hidden, inputs))
         if sample_from is not None:
             logits = logits[self.staging.to_device("sample_from", sample_from)]
         tokens, logprobs, candidates = sample(logits, sampling, self.backend.argmax, self.staging)
         del logits, hidden  # freed here, in the phase that made them (a batch's logits can be hundreds of MB)
         self.times.lap("sample")
         return tokens, logprobs, candidates
+
+    @contextlib.contextmanager
+    def _in_lockstep(self) -> Iterator[None]:
+        """The part of a step the other tensor-parallel ranks run too, meeting rank 0 in its collectives. Rank 0
+        raising there would leave them waiting in a collective of a step it gave up, so the replica stops instead
+        (its jobs' leases lapse and another worker resumes them); outside it (sampling) a step may fail and the
+        engine go on."""
+        try:
+            yield
+        except Exception as e:
+            if not self.shard.parallel:
+                raise
+            fail(f"tensor parallelism: rank 0's part of a step failed ({type(e).__name__}: {e}): its ranks can no "
+                 f"longer agree on the next step, so the replica stops")
 
     @torch.inference_mode()
     def follow(self, inputs: StepInputs, copies: list[tuple[int, int]]) -> None:
@@ -343,6 +358,12 @@ class ModelRunner:
         last = self._last_inputs
         both_decode = last is not None and last.decode_only and batch.num_tokens == len(batch.seqs)
         return last if both_decode and batch.seqs == self._last_seqs else None
+
+    def forget_steps(self, tables: BlockTables) -> None:
+        """The engine dropped its requests (LLMEngine.reset): nothing of the steps before carries over, and the
+        block tables are the new block manager's."""
+        self.tables = tables
+        self._last_seqs, self._last_inputs = None, None
 
     def to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, object]:
         """Start copying sampled tokens to the host -> (host tokens, an event to wait on, or None where they are

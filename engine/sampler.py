@@ -18,6 +18,9 @@ from engine.staging import Staging
 from kernels import torch_ops
 
 Argmax = Callable[[torch.Tensor], torch.Tensor]
+# Below this a temperature is greedy in all but name, and logits / temperature can leave float32 (inf, then NaN
+# probabilities): sampled at this one instead, as vLLM does.
+MIN_TEMPERATURE = 1e-2
 
 
 @dataclass
@@ -132,7 +135,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, argmax: Argmax = torch_op
         return greedy, raw_logprobs, candidates
     params = [batch.params[i] for i in random_rows]
     rows = stage.to_device("random_rows", np.array(random_rows, dtype=np.int64))
-    x = logits[rows] / _per_row(stage, "temperature", [p.temperature for p in params])[:, None]
+    temperatures = [max(p.temperature, MIN_TEMPERATURE) for p in params]
+    x = logits[rows] / _per_row(stage, "temperature", temperatures)[:, None]
     if any(p.top_k for p in params) or any(p.top_p < 1 for p in params):
         x = _top_k_top_p(x, params, stage)
     probs = torch.softmax(x, dim=-1)
@@ -162,7 +166,7 @@ def _beam_candidates(logits: torch.Tensor, batch: SamplingBatch, stage: Staging
             at = stage.to_device(f"beam_banned{g}", np.array(banned, dtype=np.int64).T.copy())
             lp[at[0], at[1]] = float("-inf")
         acc = lp + _per_row(stage, f"beam_scores{g}", scores)[:, None]
-        found.append(acc.reshape(-1).topk(k))
+        found.append(acc.reshape(-1).topk(min(k, acc.numel())))  # many stop tokens on a small vocabulary
     return found
 
 
@@ -190,5 +194,6 @@ def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams], stage: Staging) 
     # Keep the smallest prefix whose mass reaches top_p; the first token is always kept.
     before = probs.cumsum(dim=-1) - probs
     drop |= before >= top_p[:, None]
+    drop[:, 0] = False  # also where top_p rounds to 0 in float32
     sorted_x = sorted_x.masked_fill(drop, float("-inf"))
     return torch.empty_like(x).scatter_(1, order, sorted_x)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from engine.constraints import Constraint
@@ -47,6 +48,12 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise ValueError(msg)
 
+        floats = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                  "length_penalty")
+        for name in floats:  # NaN passes every comparison below, and infinity turns the sampler's math to NaN
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                bad(f"{name} must be a finite number, got {value!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
@@ -109,6 +116,13 @@ class SamplingParams:
         if self.use_beam_search:
             return self.beam_width or self.best_of or self.n
         return self.best_of or self.n
+
+    @property
+    def width_field(self) -> str:
+        """The field that sets width, for a message that names it."""
+        if self.use_beam_search and self.beam_width is not None:
+            return "beam_width"
+        return "best_of" if self.best_of is not None else "n"
 
     @property
     def streams(self) -> bool:

@@ -221,7 +221,8 @@ def lone_surrogate(value: Any) -> tuple[str, str] | None:
                 return path, found.group()
         elif isinstance(v, dict):
             for k, item in reversed(list(v.items())):
-                at = f"{path}.{k}" if path else str(k)
+                name = k.encode("utf-8", "backslashreplace").decode() if isinstance(k, str) else str(k)
+                at = f"{path}.{name}" if path else name  # a key's surrogate spelled as JSON does: the path is text
                 todo.append((at, item))
                 todo.append((at, k))
         elif isinstance(v, (list, tuple)):

@@ -7,6 +7,9 @@
 --crash MARK:  the worker SIGKILLs itself once a job holding MARK has produced tokens: the worker dies on every
                delivery of that job, as an out-of-memory kill would do it.
 --step-delay-ms MS: each engine step takes MS longer (a slower model), so that a test can act mid-job.
+--fault-on MARK[:N]: an engine step raises while a request whose id holds MARK is in its batch (once that
+               request has N output tokens, default 0): a fault one request causes, on every try.
+--fault-every-step: every engine step raises, whatever it runs: a broken device.
 """
 
 from __future__ import annotations
@@ -48,6 +51,31 @@ def crash(mark: str) -> None:
     worker_mod.Worker._step = _step
 
 
+def fault_on(spec: str) -> None:
+    from engine.model_runner import ModelRunner
+
+    mark, _, after = spec.partition(":")
+    after = int(after or 0)
+    run = ModelRunner.run
+
+    def _run(self, batch, *args, **kwargs):
+        for seq in batch.seqs:
+            if mark in seq.request_id and seq.num_output_tokens >= after:
+                raise RuntimeError(f"injected fault (test hook) on request {seq.request_id}")
+        return run(self, batch, *args, **kwargs)
+
+    ModelRunner.run = _run
+
+
+def fault_every_step() -> None:
+    from engine.model_runner import ModelRunner
+
+    def _run(self, batch, *args, **kwargs):
+        raise RuntimeError("injected fault (test hook): every step fails")
+
+    ModelRunner.run = _run
+
+
 def step_delay(ms: float) -> None:
     step = worker_mod.Worker._step
 
@@ -63,6 +91,8 @@ if __name__ == "__main__":
     ap.add_argument("--poison")
     ap.add_argument("--crash")
     ap.add_argument("--step-delay-ms", type=float)
+    ap.add_argument("--fault-on")
+    ap.add_argument("--fault-every-step", type=int, default=0)
     ap.add_argument("rest", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     if a.poison:
@@ -71,5 +101,9 @@ if __name__ == "__main__":
         crash(a.crash)
     if a.step_delay_ms:
         step_delay(a.step_delay_ms)
+    if a.fault_on:
+        fault_on(a.fault_on)
+    if a.fault_every_step:
+        fault_every_step()
     rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
     main(["worker", *rest], prog_name="pagedq")

@@ -24,6 +24,9 @@ class RunningJob:
     # What earlier deliveries streamed, that this one continues, per continuation (a job with one: index 0):
     # [index, token ids, text, finish reason if it had ended]. Lists: the job crosses a pipe as JSON.
     resumed: list[list] = field(default_factory=list)
+    # Searches for the cause of a failed engine step that this job was in and that found none (worker.quarantine):
+    # at max_attempts the job goes back to the queue as a failed delivery (the crash-loop rule).
+    unexplained_faults: int = 0
 
     def resumed_choice(self, index: int) -> tuple[list[int], str, str | None]:
         for i, ids, text, reason in self.resumed:

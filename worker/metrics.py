@@ -51,7 +51,7 @@ class Metrics:
         self.jobs_finished = 0
         nop = _Nop()
         for name in ("jobs", "tokens", "prompt_tokens", "cached_tokens", "preemptions", "retries", "dead_letters",
-                     "lease_losses", "unreplicated", "resent_tokens", "steps", "step_seconds", "publish_seconds", "batch_seqs", "batch_tokens",
+                     "lease_losses", "unreplicated", "resent_tokens", "steps", "failed_steps", "convicted", "step_seconds", "publish_seconds", "batch_seqs", "batch_tokens",
                      "queue_wait", "ttft", "tpot", "e2e", "running", "running_seqs", "waiting_seqs",
                      "pending_acks", "kv_free", "kv_used", "kv_total", "depth", "pending", "oldest_pending_age",
                      "oldest_waiting_age", "dlq_length", "live_workers"):
@@ -93,6 +93,10 @@ class Metrics:
         self.resent_tokens = counter("pagedq_resent_tokens", "Tokens written again to a stream that had lost them "
                                      "(a failover promoted a replica without the last writes)", ["queue"])
         self.steps = counter("pagedq_engine_steps", "Engine steps")
+        self.failed_steps = counter("pagedq_engine_failed_steps", "Engine steps that raised (the jobs in them "
+                                    "resumed; the cause searched for by running them apart)")
+        self.convicted = counter("pagedq_engine_fault_jobs", "Jobs failed as the cause of an engine step that raised "
+                                 "(each reproduced it running alone)")
         # ---- histograms ----
         self.queue_wait = histogram("pagedq_queue_wait_seconds", "Enqueue to start on a worker", QUEUE_WAIT_BUCKETS)
         self.ttft = histogram("pagedq_time_to_first_token_seconds", "Enqueue to the first output token", TTFT_BUCKETS)

@@ -14,6 +14,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import redis as redis_lib
 
@@ -29,12 +30,18 @@ from worker.metrics import Metrics
 from worker.pipeline import run_calls_noting
 from worker.publisher import DIED, Publisher
 from worker.publisher.messages import Setup, tokenizer_spec
+from worker.quarantine import Quarantine
 from worker.resume import read_output
 from worker.validate import Rejected, parse, prompt_ids, sampling_params
 from worker.version import pagedq_version
 
 log = logging.getLogger("pagedq.worker")
 SWITCH_INTERVAL_S = 0.0005
+FLUSH_TIMEOUT_S = 30.0  # how long a failed step's jobs wait for their streams to be written before resuming
+
+
+class EngineBroken(RuntimeError):
+    """Engine steps fail with no request to blame: the worker hands its jobs back and stops."""
 
 
 class Worker:
@@ -75,6 +82,9 @@ class Worker:
         # engine is empty, so that a job that kills its workers takes no other job down with it.
         self.deferred: list[tuple[str, dict]] = []
         self.solo: str | None = None  # the job running alone now
+        # After a step raised: the search for its cause, and the jobs held out of the engine meanwhile (leased).
+        self.quarantine: Quarantine | None = None
+        self.parked: set[str] = set()
         self.steps = 0
         self.busy = False  # the engine had requests at the loop's last look
         self.next_reap = 0.0
@@ -108,6 +118,10 @@ class Worker:
                     self._intake()
                 if eng.has_unfinished_requests():
                     self._step()
+                elif self.quarantine is not None:  # its group left the engine without a step (cancelled, say)
+                    self._probe()
+                elif self.active:
+                    self._orphans()
                 self._note_busy(eng.has_unfinished_requests())
             self._hand_back()
         finally:
@@ -131,7 +145,7 @@ class Worker:
         scripts.load_all(self.r)
 
     def _intake(self) -> None:
-        if self._alone_gate():
+        if self.quarantine is not None or self._alone_gate():
             return
         # PEL = jobs in the engine + finished jobs not yet acked + what we read now <= what the engine admits.
         room = self.engine.num_admittable() - self.publisher.pending_acks
@@ -211,21 +225,34 @@ class Worker:
             self._drop(job_id)
         job = RunningJob(id=job_id, entry=d.entry, lease=d.lease, attempts=started.attempts,
                          enqueued_at=started.enqueued_at, started_at=now)
-        try:
+
+        def begin() -> None:
             if started.emitted:
-                job.resumed = read_output(self.r, self.keys, job_id)
-                job.emitted = job.resumed_tokens
+                self._read_resumed(job)
                 log.info("job %s: resuming after %d tokens (attempt %d)", job_id, job.emitted, job.attempts)
             self._add(job, fields, now)
+
+        self._guarded(job, begin)
+
+    def _guarded(self, job: RunningJob, start: Callable[[], None]) -> None:
+        """Run start(), which puts the job into the engine; a job it cannot run ends with a clear reason."""
+        try:
+            start()
+            return
         except Rejected as e:
-            log.info("job %s rejected: %s: %s", job_id, e.type, e.message)
+            log.info("job %s rejected: %s: %s", job.id, e.type, e.message)
+            self._drop(job.id)
             self.publisher.fail(job, e.type, e.message)
         except Exception as e:
             # Not the request's fault as far as we know: another delivery may pass; repeated, it dead-letters.
-            log.exception("job %s: failed in the worker", job_id)
-            self.active.pop(job_id, None)
-            self.engine.abort(job_id)
+            log.exception("job %s: failed in the worker", job.id)
+            self._drop(job.id)
             self.publisher.release(job, wire.RETRY, "worker_error", f"{type(e).__name__}: {e}")
+
+    def _read_resumed(self, job: RunningJob) -> None:
+        """What the job's earlier runs streamed, which this one continues."""
+        job.resumed = read_output(self.r, self.keys, job.id)
+        job.emitted = job.resumed_tokens
 
     def _add(self, job: RunningJob, fields: dict, now: float) -> None:
         req = job.request = parse(fields, job.id, self.cfg.limits, self.served)
@@ -234,13 +261,21 @@ class Worker:
             if now >= job.deadline:
                 self.publisher.end(job, wire.EXPIRED, "expired")
                 return
+        if self._enter(job):
+            self.metrics.job_started(job.enqueued_at, job.started_at, job.prompt_tokens, job.attempts)
+
+    def _enter(self, job: RunningJob) -> bool:
+        """Put a job the worker holds into the engine, going on from what it streamed before (job.resumed) ->
+        whether it runs now (False: it had streamed all it may, and ends here)."""
+        req = job.request
         params = sampling_params(req)
         ids = prompt_ids(req, self.engine)
         job.prompt_tokens = len(ids)
         if job.resumed and self._streamed_all(job, len(ids)):
-            # Its last delivery streamed every token it may have but died before the result: finish it here.
+            # Its last run streamed every token it may have but ended before the result: finish it here.
+            self._drop(job.id)
             self.publisher.end(job, wire.COMPLETED, "length")
-            return
+            return False
         resume = {i: (tokens, text, reason) for i, tokens, text, reason in job.resumed}
         try:
             self.engine.add_request(job.id, prompt_token_ids=ids, params=params, priority=req.priority,
@@ -250,7 +285,7 @@ class Worker:
         self.active[job.id] = job
         self.publisher.begin(job, ids)
         self.metrics.running.set(len(self.active))
-        self.metrics.job_started(job.enqueued_at, job.started_at, job.prompt_tokens, job.attempts)
+        return True
 
     def _streamed_all(self, job: RunningJob, prompt_len: int) -> bool:
         """Whether every continuation of the job had ended or streamed all the tokens it may have."""
@@ -268,9 +303,8 @@ class Worker:
         try:
             outs = self.engine.step()
         except Exception as e:
-            log.exception("engine step failed")
-            self._abandon("engine_error", f"the engine failed: {type(e).__name__}: {e}")
-            raise
+            self._step_failed(e)
+            return
         self.steps += 1
         self.last_step_s = time.perf_counter() - t
         for job_id, why in self.engine.pop_refused():  # a constraint that did not compile: the job's own fault
@@ -284,7 +318,121 @@ class Worker:
             self.publisher.step(items, now)
         self.metrics.running.set(len(self.active))
         self._expire(now)
+        if self.quarantine is not None:
+            self._probe()
         self.engine.record_phase("publish")
+
+    def _orphans(self) -> None:
+        """Jobs the worker holds that an idle engine no longer has: it ended them without a last output (a bug).
+        They fail with that said, rather than hold their lease for ever."""
+        for job_id in [j for j in self.active if self.engine.landed(j) is None]:
+            log.error("job %s: the engine dropped it without a result", job_id)
+            job = self._drop(job_id)
+            self.publisher.fail(job, "engine_error", "the engine ended this job without a result")
+
+    # ---- a step that raised: blame only its cause (worker.quarantine) ---------------------------------------
+
+    def _step_failed(self, error: Exception) -> None:
+        """The engine is reset and every job it held is parked; the suspects run again apart, a group at a time,
+        until the cause runs alone and fails again. What the others streamed stays: they go on from there."""
+        self.metrics.failed_steps.inc()
+        ran = [job_id for job_id in self.active if job_id not in self.parked]
+        landed = {job_id: self.engine.landed(job_id) or 0 for job_id in ran}
+        self.engine.reset()
+        self.parked.update(ran)
+        self.metrics.running.set(len(self.active) - len(self.parked))
+        message = f"{type(error).__name__}: {error}"
+        if self.quarantine is None:
+            log.error("engine step failed with %d jobs in the engine: running them apart to find the cause",
+                      len(ran), exc_info=error)
+            self.quarantine = Quarantine(landed)
+        else:
+            log.warning("engine step failed again, with %d suspects in the engine: %s", len(ran), message)
+            cause = self.quarantine.failed(landed)
+            if cause is not None:
+                self._convict(cause, message)
+        self._next_group()
+
+    def _convict(self, job_id: str, message: str) -> None:
+        """A job whose step failed while it ran alone: unless a request of no consequence fails too (then nothing
+        is to blame but the engine or the device), the job fails with the error."""
+        problem = self.engine.self_check()
+        if problem is not None:
+            self._broken(message, problem)
+        log.error("job %s: the engine step fails on it alone (%s): failing it", job_id, message)
+        self.metrics.convicted.inc()
+        job = self._drop(job_id)
+        if job is not None:
+            self.publisher.fail(job, "engine_error", f"the engine failed on this job: {message}")
+
+    def _broken(self, message: str, problem: str) -> None:
+        log.critical("engine steps fail with no request to blame (%s; a 2-token check request alone: %s): the "
+                     "device, the model or the engine is broken. Handing %d jobs back to the queue and stopping",
+                     message, problem, len(self.active))
+        self._hand_back()
+        raise EngineBroken(f"engine steps fail with no request to blame: {problem}")
+
+    def _probe(self) -> None:
+        """After a step during the search: once the group running passed its marks, the next group runs."""
+        q = self.quarantine
+        q.drop([job_id for job_id in q.suspects + q.cleared if job_id not in self.active])
+        if q.running and not q.passed(self.engine.landed):
+            return
+        if not q.todo:
+            self._end_quarantine()
+            return
+        for job_id in q.cleared:  # they wait, out of the engine, until the search ends
+            if job_id not in self.parked:
+                self.engine.abort(job_id)
+                self.parked.add(job_id)
+        self._next_group()
+
+    def _next_group(self) -> None:
+        q = self.quarantine
+        while True:
+            group = q.next_group()
+            if group is None:
+                self._end_quarantine()
+                return
+            self._unpark(group)
+            q.drop([job_id for job_id in group if job_id not in self.active])
+            if q.running:
+                return
+
+    def _end_quarantine(self) -> None:
+        """Every group ran: the parked jobs run together again. A search that convicted no job found a fault that
+        needs company, or a passing one: each job in it counts one, and one that counts max_attempts goes back to
+        the queue as a failed delivery (so its last delivery runs alone)."""
+        q, self.quarantine = self.quarantine, None
+        log.info("fault search over: %s convicted, %d jobs cleared", q.convicted or "none", len(q.cleared))
+        if not q.convicted:
+            for job_id in list(q.cleared):
+                job = self.active[job_id]
+                job.unexplained_faults += 1
+                if job.unexplained_faults >= self.cfg.max_attempts:
+                    self._drop(job_id)
+                    self.publisher.release(job, wire.RETRY, "engine_error",
+                                           f"in {job.unexplained_faults} engine steps that failed with no cause found")
+        self._unpark(list(self.parked))
+
+    def _unpark(self, job_ids: list[str]) -> None:
+        """Parked jobs go back into the engine, each from what its event stream holds."""
+        if not job_ids:
+            return
+        if not self.publisher.flush(FLUSH_TIMEOUT_S):
+            # Redis is away: what the streams hold is not known yet. Another worker resumes them from there.
+            log.warning("streams not written after %.0f s: handing %d parked jobs back", FLUSH_TIMEOUT_S,
+                        len(job_ids))
+            for job_id in job_ids:
+                job = self._drop(job_id)
+                if job is not None:
+                    self.publisher.release(job, wire.HANDBACK)
+            return
+        for job_id in job_ids:
+            job = self.active.get(job_id)
+            self.parked.discard(job_id)
+            if job is not None:
+                self._guarded(job, lambda job=job: (self._read_resumed(job), self._enter(job)))
 
     def _collect(self, outs: list, now: float) -> tuple[list, list, list, int]:
         """One pass over a step's outputs -> those of the jobs held (the publisher's), (job, output) pairs for
@@ -360,6 +508,9 @@ class Worker:
 
     def _drop(self, job_id: str) -> RunningJob | None:
         job = self.active.pop(job_id, None)
+        self.parked.discard(job_id)
+        if self.quarantine is not None:
+            self.quarantine.drop([job_id])
         if job is not None:
             self.engine.abort(job_id)
             self.metrics.running.set(len(self.active))
@@ -371,8 +522,3 @@ class Worker:
             log.info("handing %d unfinished jobs back to the queue", len(self.active))
         for job_id in list(self.active):
             self.publisher.release(self._drop(job_id), wire.HANDBACK)
-
-    def _abandon(self, type: str, message: str) -> None:
-        for job_id in list(self.active):
-            job = self._drop(job_id)
-            self.publisher.fail(job, type, message)

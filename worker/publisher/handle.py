@@ -43,6 +43,8 @@ class Publisher:
         # Messages for the process: a thread of ours writes them, so that the step loop never waits on the pipe.
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.closing = False
+        self.flushes = 0  # flush() calls so far, and the latest the process reported written
+        self.flushed = 0
 
     def start(self) -> None:
         down_r, down_w = os.pipe()
@@ -109,6 +111,16 @@ class Publisher:
         """A job left the engine without a result from this worker (its lease was lost)."""
         self._send((messages.FORGET, job.id, job.lease))
 
+    def flush(self, timeout: float) -> bool:
+        """Wait until everything handed over so far is written to Redis (or given up on) -> False if that took
+        longer than timeout. What a job's event stream holds is then all it streamed."""
+        with self.cond:
+            self.flushes += 1
+            n = self.flushes
+        self._send((messages.FLUSH, n))
+        with self.cond:
+            return self.cond.wait_for(lambda: self.flushed >= n, timeout)
+
     def wait_acks(self, below: int, timeout: float) -> None:
         with self.cond:
             self.cond.wait_for(lambda: self.pending_acks < below, timeout)
@@ -166,6 +178,10 @@ class Publisher:
                     with self.cond:
                         self.pending_acks -= msg[1]
                         self.metrics.pending_acks.set(self.pending_acks)
+                        self.cond.notify_all()
+                elif msg[0] == messages.FLUSHED:
+                    with self.cond:
+                        self.flushed = max(self.flushed, msg[1])
                         self.cond.notify_all()
                 elif msg[0] == messages.NOTICE:
                     self.notices.put(msg[1:])

@@ -2,10 +2,11 @@
 
 Worker -> process, in order: (SETUP, Setup); (BEGIN, job, prompt tail) when a job enters the engine;
 (STEP, now, job ids, tokens, cached, extras) per engine step (see StepOutput); (END | FAIL | RELEASE, job, ...)
-as Publisher's calls of the same names; (FORGET, job id, lease) for a job dropped without a result; (STOP,
-timeout), the last.
+as Publisher's calls of the same names; (FORGET, job id, lease) for a job dropped without a result; (FLUSH, n)
+asks for word once everything before it is written; (STOP, timeout), the last.
 Process -> worker: (SETTLED, n) finished jobs written; (NOTICE, kind, job id, lease) a cancel or a lost lease
-learned from Redis; (METRIC, name, *args) a call of writer.WriterMetrics to make on the worker's Metrics.
+learned from Redis; (METRIC, name, *args) a call of writer.WriterMetrics to make on the worker's Metrics;
+(FLUSHED, n) everything handed over before (FLUSH, n) is written (or given up on).
 Every message is JSON: nothing but JSON is ever decoded by the worker's processes. Jobs travel as job_to_wire's
 dict.
 """
@@ -23,9 +24,9 @@ from worker.job import RunningJob
 if TYPE_CHECKING:
     from worker.publisher.job_view import ChoiceView, JobView
 
-SETUP, BEGIN, STEP, END, FAIL, RELEASE, FORGET, STOP = (
-    "setup", "begin", "step", "end", "fail", "release", "forget", "stop")
-SETTLED, NOTICE, METRIC = "settled", "notice", "metric"
+SETUP, BEGIN, STEP, END, FAIL, RELEASE, FORGET, FLUSH, STOP = (
+    "setup", "begin", "step", "end", "fail", "release", "forget", "flush", "stop")
+SETTLED, NOTICE, METRIC, FLUSHED = "settled", "notice", "metric", "flushed"
 
 
 class StepOutput(NamedTuple):

@@ -94,7 +94,7 @@ def serve(down: Connection, up: _Up) -> None:
             up(messages.SETTLED, n)
 
     writer = RedisWriter(_connect(setup), Keys(setup.queue), setup.settings, setup.model, RelayedMetrics(up), up,
-                         settled, setup.durability)
+                         settled, setup.durability, on_flushed=lambda n: up(messages.FLUSHED, n))
     writer.start()
     views: dict[str, JobView] = {}
     while True:
@@ -145,6 +145,8 @@ def _handle(msg: list, writer: RedisWriter, views: dict[str, JobView], tokenizer
         writer.fail(_held(views, msg[1]), msg[2], msg[3])
     elif op == messages.RELEASE:
         writer.release(_held(views, msg[1]), msg[2], msg[3], msg[4])
+    elif op == messages.FLUSH:
+        writer.mark(msg[1])
 
 
 def _step_outputs(msg: list, views: dict[str, JobView], writer: RedisWriter) -> list[StepOutput]:

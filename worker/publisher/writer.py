@@ -36,6 +36,7 @@ from worker.publisher.messages import StepOutput
 log = logging.getLogger("pagedq.worker")
 
 _STOP = object()
+_MARK = "mark"  # an inbox item (_MARK, n): everything before it written, on_flushed(n) is called
 HEAL_ROUNDS = 3  # round trips that send lost chunks again, per batch (one is enough unless failovers repeat)
 CONFIRM_RETRY_S = 0.2  # replicated: how soon an unconfirmed end is written again when nothing else comes
 # Ends written again until a replica confirms them: complete and fail find a job they ended before and write
@@ -81,13 +82,14 @@ class Notices(Protocol):
 class RedisWriter(threading.Thread):
     def __init__(self, r: redis_lib.Redis, keys: Keys, settings: calls.WorkerSettings, model: str,
                  metrics: WriterMetrics, notices: Notices, on_settled: Callable[[int], None],
-                 durability: Durability = ASYNC_DURABILITY) -> None:
+                 durability: Durability = ASYNC_DURABILITY, on_flushed: Callable[[int], None] | None = None) -> None:
         """on_settled(n): n finished jobs handed over are written (or given up on), so they no longer sit in the
-        group's pending list: the worker's intake counts them until then."""
+        group's pending list: the worker's intake counts them until then. on_flushed(n): everything handed over
+        before mark(n) is written (or given up on)."""
         super().__init__(name="pagedq-publisher", daemon=True)
         self.r, self.keys, self.settings = r, keys, settings
         self.worker_id, self.model, self.ttl, self.metrics = settings.worker_id, model, settings.ttl, metrics
-        self.notices, self.on_settled = notices, on_settled
+        self.notices, self.on_settled, self.on_flushed = notices, on_settled, on_flushed
         self.durability = durability
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.give_up_at = float("inf")
@@ -110,6 +112,10 @@ class RedisWriter(threading.Thread):
         """Give a job back to the queue: "handback" (draining) or "retry" (it failed; dead-lettered once it
         used up its attempts)."""
         self.inbox.put(("release", view, mode, ErrorInfo(type=type or mode, message=message or mode), time.time()))
+
+    def mark(self, n: int) -> None:
+        """Call on_flushed(n) once everything handed over before this is written."""
+        self.inbox.put((_MARK, n))
 
     def close(self, timeout: float = 30.0) -> None:
         """Write what is queued, then stop. Redis errors are retried until `timeout` runs out."""
@@ -134,8 +140,13 @@ class RedisWriter(threading.Thread):
             if _STOP in batch:
                 stop = True
                 batch = [b for b in batch if b is not _STOP]
+            marks = [op[1] for op in batch if op[0] == _MARK]
+            if marks:
+                batch = [op for op in batch if op[0] != _MARK]
             if batch or self.unconfirmed:
                 self._flush_until_written(batch)
+            for n in marks:  # a mark came after everything in this batch: all of it is written now
+                self.on_flushed(n)
         while self.unconfirmed and time.monotonic() < self.give_up_at:  # stopping: a last chance to confirm
             time.sleep(CONFIRM_RETRY_S)
             self._flush_until_written([])
