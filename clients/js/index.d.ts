@@ -34,24 +34,35 @@ export interface Message {
   content: string;
 }
 
-/** One generation job (producer/protocol.py JobRequest). Give exactly one of `prompt` and `messages`. */
+/**
+ * One generation job (producer/protocol.py JobRequest). Give exactly one of `prompt` and `messages`. Every string
+ * in it (prompt, messages, stop, model, constraints, metadata keys and values) must be valid Unicode: a lone
+ * surrogate ('\ud800') is refused, naming where it is (`metadata.a[1]`); surrogate pairs (emoji) are fine.
+ * Integers must be safe integers (`Number.isSafeInteger`).
+ */
 export interface JobRequest {
   /** The idempotency key: a second submit with the same id is refused. Default: a fresh random id. */
   id?: string | null;
-  /** null: whatever model the queue's workers serve. */
+  /** null: whatever model the queue's workers serve. At most 256 characters. */
   model?: string | null;
   prompt?: string | null;
   messages?: Message[] | null;
-  /** Default 256. */
+  /** Default 256; at most `limits.max_tokens` (32768). */
   max_tokens?: number;
-  /** Default 1.0; 0 is greedy. */
+  /** Default 1.0; 0 is greedy; at most 100. */
   temperature?: number;
   top_p?: number;
   /** 0 or -1: off. */
   top_k?: number;
   min_p?: number;
+  /**
+   * Python takes any int64; here a safe integer (within +-(2^53 - 1)), as a larger number is not exact in
+   * JavaScript.
+   */
   seed?: number | null;
+  /** At most `limits.max_stop` (16) strings of at most `limits.max_stop_chars` (1000) characters each. */
   stop?: string | string[] | null;
+  /** Each 0 to 2^31 - 1; at most `limits.max_stop_token_ids` (256) of them. */
   stop_token_ids?: number[];
   ignore_eos?: boolean;
   logprobs?: number | null;
@@ -59,7 +70,7 @@ export interface JobRequest {
   presence_penalty?: number;
   /** OpenAI's, -2 to 2. */
   frequency_penalty?: number;
-  /** vLLM's: above 1 discourages repeats; 1 is off. */
+  /** vLLM's, 0.01 to 100: above 1 discourages repeats; 1 is off. */
   repetition_penalty?: number;
   /** Continuations returned (default 1, at most 16); they share the prompt's KV blocks. */
   n?: number;
@@ -69,6 +80,7 @@ export interface JobRequest {
   use_beam_search?: boolean;
   /** Beams; default best_of, else n. */
   beam_width?: number | null;
+  /** Beam search divides by length ** length_penalty: -10 to 10, default 1.0. */
   length_penalty?: number;
   early_stopping?: boolean | 'never';
   /**
@@ -87,9 +99,9 @@ export interface JobRequest {
   guided_choice?: string[] | null;
   /** vLLM's: a grammar the output must parse as, in Lark or GBNF (llama.cpp's) syntax (non-empty). Default null. */
   guided_grammar?: string | null;
-  /** Lower runs first. */
+  /** Lower runs first; -(2^31 - 1) to 2^31 - 1. */
   priority?: number;
-  /** Seconds from enqueue; past it the job expires. */
+  /** Seconds from enqueue, above 0 and at most a year (31536000); past it the job expires. */
   timeout_s?: number | null;
   /** Opaque to the worker; echoed in the result. */
   metadata?: { [key: string]: JsonValue };
@@ -102,6 +114,10 @@ export interface Limits {
   max_tokens: number;
   max_metadata_bytes: number;
   max_stop: number;
+  /** The longest stop string, in characters (code points). Default 1000. */
+  max_stop_chars: number;
+  /** How many stop_token_ids. Default 256. */
+  max_stop_token_ids: number;
   max_n: number;
   max_width: number;
   /** A constraint's schema, regex, grammar or choices, as UTF-8 bytes of compact JSON. Default 65536. */

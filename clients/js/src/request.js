@@ -48,6 +48,8 @@ export const DEFAULT_LIMITS = Object.freeze({
   max_tokens: 32_768,
   max_metadata_bytes: 16_384,
   max_stop: 16,
+  max_stop_chars: 1_000, // each stop string: every new token's text is matched against them
+  max_stop_token_ids: 256, // beam search ranks (1 + this) x beams candidates a step
   max_n: 16, // continuations returned
   max_width: 32, // continuations run at once: best_of, beam_width
   max_constraint_bytes: 65_536, // a schema, regex, grammar or the choices, as compact JSON
@@ -59,7 +61,20 @@ const FORMAT_TYPES = ['text', 'json_object', 'json_schema'];
 const JSON_SCHEMA_KEYS = ['name', 'schema', 'strict', 'description'];
 
 const ID_RE = /^[\x21-\x7e]{1,200}$/; // printable ASCII without spaces: it becomes part of key names
+// A lone UTF-16 half: JSON can spell it, UTF-8 cannot hold it. With the u flag a surrogate pair is one code
+// point, outside the range: only halves match.
+const LONE_SURROGATE_RE = /[\ud800-\udfff]/u;
+const LONE_SURROGATES_RE = /[\ud800-\udfff]/gu;
+
+// Bounds every worker can hold whatever its settings (producer/protocol.py; Limits holds the configurable
+// ones): each value fits the integer or float32 that the engine turns it into.
 const INT32_MAX = 2 ** 31 - 1;
+const MAX_MODEL_CHARS = 256;
+const MAX_TEMPERATURE = 100; // far past the point where sampling is uniform; keeps logits / temperature finite
+const MIN_REPETITION_PENALTY = 0.01; // logits are multiplied or divided by it
+const MAX_REPETITION_PENALTY = 100;
+const MAX_LENGTH_PENALTY = 10; // beam search divides by length ** length_penalty, either sign
+const MAX_TIMEOUT_S = 365 * 24 * 3600;
 
 export function newId() {
   return randomUUID().replace(/-/g, '');
@@ -78,9 +93,14 @@ function show(v) {
 }
 
 function int(field, v, { min, max } = {}) {
-  if (typeof v !== 'number' || !Number.isSafeInteger(v)) fail(field, `must be an integer, got ${show(v)}`);
+  if (typeof v !== 'number' || !Number.isInteger(v)) fail(field, `must be an integer, got ${show(v)}`);
   if (min !== undefined && v < min) fail(field, `must be >= ${min}, got ${v}`);
   if (max !== undefined && v > max) fail(field, `must be <= ${max}, got ${v}`);
+  // Past 2 ** 53 the number is not the integer it was meant to be, and JSON would send the rounded one.
+  if (!Number.isSafeInteger(v)) {
+    const safe = Number.MAX_SAFE_INTEGER;
+    fail(field, `must be between -${safe} and ${safe} (larger integers are not exact in JavaScript), got ${v}`);
+  }
   return v;
 }
 
@@ -192,6 +212,37 @@ export function constraintOf(req) {
   return null;
 }
 
+/**
+ * [the dotted path, the code unit] of the first lone surrogate in any string of `value`, keys included, or null
+ * (producer/protocol.py lone_surrogate). A walk with its own stack that visits each object once: a deep nest or
+ * a cycle gets checkJson's clear error afterwards, not a stack overflow or a hang here. A key's lone surrogates
+ * are spelled as JSON spells them (\ud800) in the path: the error message must be valid text itself.
+ */
+function loneSurrogate(value) {
+  const todo = [['', value]];
+  const seen = new Set();
+  while (todo.length) {
+    const [path, v] = todo.pop();
+    if (typeof v === 'string') {
+      const found = LONE_SURROGATE_RE.exec(v);
+      if (found) return [path, found[0]];
+    } else if (Array.isArray(v) || isPlainObject(v)) {
+      if (seen.has(v)) continue;
+      seen.add(v);
+      if (Array.isArray(v)) {
+        for (let i = v.length - 1; i >= 0; i--) todo.push([`${path}[${i}]`, v[i]]);
+      } else {
+        for (const [k, item] of Object.entries(v).reverse()) {
+          const name = k.replace(LONE_SURROGATES_RE, (c) => `\\u${c.charCodeAt(0).toString(16)}`);
+          const at = path ? `${path}.${name}` : name;
+          todo.push([at, item], [at, k]);
+        }
+      }
+    }
+  }
+  return null;
+}
+
 function codePoints(s) {
   let n = 0;
   for (let i = 0; i < s.length; i++) {
@@ -213,6 +264,14 @@ function codePoints(s) {
  */
 export function makeRequest(request, limits = DEFAULT_LIMITS) {
   if (!isPlainObject(request)) fail('request', `must be a plain object, got ${show(request)}`);
+  // A lone surrogate is a JavaScript string like any other, then fails wherever the text is encoded: the
+  // tokenizer, Redis, a response. Refused first, as Python does, naming where it is.
+  const found = loneSurrogate(request);
+  if (found !== null) {
+    const [where, char] = found;
+    const code = char.charCodeAt(0).toString(16).toUpperCase().padStart(4, '0');
+    fail(where || 'request', `text is not valid Unicode (a lone surrogate, U+${code}): send UTF-8 text`);
+  }
   for (const k of Object.keys(request)) {
     if (!Object.hasOwn(DEFAULTS, k) && request[k] !== undefined) {
       fail(k, `unknown field (JobRequest has ${FIELDS.join(', ')})`);
@@ -227,6 +286,9 @@ export function makeRequest(request, limits = DEFAULT_LIMITS) {
   }
   req.model = get('model');
   if (req.model !== null && typeof req.model !== 'string') fail('model', `must be a string, got ${show(req.model)}`);
+  if (req.model !== null && codePoints(req.model) > MAX_MODEL_CHARS) {
+    fail('model', `must be at most ${MAX_MODEL_CHARS} characters, got ${codePoints(req.model)}`);
+  }
 
   req.prompt = get('prompt');
   req.messages = get('messages');
@@ -247,7 +309,7 @@ export function makeRequest(request, limits = DEFAULT_LIMITS) {
           fail(`${where}.${k}`, 'unknown field (a message has role, content)');
         }
       }
-      if (typeof m.role !== 'string' || m.role.length < 1 || m.role.length > 64) {
+      if (typeof m.role !== 'string' || m.role.length < 1 || codePoints(m.role) > 64) {
         fail(`${where}.role`, `must be a string of 1-64 characters, got ${show(m.role)}`);
       }
       if (typeof m.content !== 'string') fail(`${where}.content`, `must be a string, got ${show(m.content)}`);
@@ -255,23 +317,27 @@ export function makeRequest(request, limits = DEFAULT_LIMITS) {
     });
   }
 
-  req.max_tokens = int('max_tokens', get('max_tokens'), { min: 1 });
-  req.temperature = num('temperature', get('temperature'), { ge: 0 });
+  req.max_tokens = int('max_tokens', get('max_tokens'), { min: 1, max: INT32_MAX });
+  req.temperature = num('temperature', get('temperature'), { ge: 0, le: MAX_TEMPERATURE });
   req.top_p = num('top_p', get('top_p'), { gt: 0, le: 1 });
   req.top_k = int('top_k', get('top_k'), { min: -1, max: INT32_MAX });
   req.min_p = num('min_p', get('min_p'), { ge: 0, le: 1 });
   req.presence_penalty = num('presence_penalty', get('presence_penalty'), { ge: -2, le: 2 });
   req.frequency_penalty = num('frequency_penalty', get('frequency_penalty'), { ge: -2, le: 2 });
-  req.repetition_penalty = num('repetition_penalty', get('repetition_penalty'), { gt: 0, le: 100 });
+  req.repetition_penalty = num('repetition_penalty', get('repetition_penalty'),
+    { ge: MIN_REPETITION_PENALTY, le: MAX_REPETITION_PENALTY });
+  // Python bounds seed to int64. A number past 2 ** 53 is not the integer it was written as (2 ** 63 - 1 is
+  // 2 ** 63), so int() takes safe integers only, all within int64: the seed needs no bound of its own.
   req.seed = get('seed') === null ? null : int('seed', get('seed'));
-  req.n = int('n', get('n'), { min: 1 });
-  req.best_of = get('best_of') === null ? null : int('best_of', get('best_of'), { min: 1 });
+  req.n = int('n', get('n'), { min: 1, max: INT32_MAX });
+  req.best_of = get('best_of') === null ? null : int('best_of', get('best_of'), { min: 1, max: INT32_MAX });
   req.use_beam_search = get('use_beam_search');
   if (typeof req.use_beam_search !== 'boolean') {
     fail('use_beam_search', `must be true or false, got ${show(req.use_beam_search)}`);
   }
-  req.beam_width = get('beam_width') === null ? null : int('beam_width', get('beam_width'), { min: 1 });
-  req.length_penalty = num('length_penalty', get('length_penalty'), {});
+  req.beam_width = get('beam_width') === null ? null
+    : int('beam_width', get('beam_width'), { min: 1, max: INT32_MAX });
+  req.length_penalty = num('length_penalty', get('length_penalty'), { ge: -MAX_LENGTH_PENALTY, le: MAX_LENGTH_PENALTY });
   req.early_stopping = get('early_stopping');
   if (![true, false, 'never'].includes(req.early_stopping)) {
     fail('early_stopping', `must be true, false or "never", got ${show(req.early_stopping)}`);
@@ -300,13 +366,14 @@ export function makeRequest(request, limits = DEFAULT_LIMITS) {
 
   const stopIds = get('stop_token_ids');
   if (!Array.isArray(stopIds)) fail('stop_token_ids', `must be an array of integers, got ${show(stopIds)}`);
-  req.stop_token_ids = stopIds.map((t, i) => int(`stop_token_ids[${i}]`, t, { min: 0 }));
+  // Each below the model's vocabulary size too: the worker checks that, as only it knows the model.
+  req.stop_token_ids = stopIds.map((t, i) => int(`stop_token_ids[${i}]`, t, { min: 0, max: INT32_MAX }));
 
   req.ignore_eos = get('ignore_eos');
   if (typeof req.ignore_eos !== 'boolean') fail('ignore_eos', `must be true or false, got ${show(req.ignore_eos)}`);
   req.logprobs = get('logprobs') === null ? null : int('logprobs', get('logprobs'), { min: 0, max: 20 });
-  req.priority = int('priority', get('priority'));
-  req.timeout_s = get('timeout_s') === null ? null : num('timeout_s', get('timeout_s'), { gt: 0 });
+  req.priority = int('priority', get('priority'), { min: -INT32_MAX, max: INT32_MAX }); // lower runs first
+  req.timeout_s = get('timeout_s') === null ? null : num('timeout_s', get('timeout_s'), { gt: 0, le: MAX_TIMEOUT_S });
 
   req.metadata = get('metadata');
   if (!isPlainObject(req.metadata)) fail('metadata', `must be a plain object, got ${show(req.metadata)}`);
@@ -335,13 +402,20 @@ export function checkLimits(req, limits) {
   if (req.max_tokens > limits.max_tokens) {
     fail('max_tokens', `max_tokens is ${req.max_tokens}, the limit is ${limits.max_tokens}`);
   }
+  if (req.stop.length > limits.max_stop) fail('stop', `${req.stop.length} stop strings, the limit is ${limits.max_stop}`);
+  const longest = req.stop.reduce((most, s) => Math.max(most, codePoints(s)), 0);
+  if (longest > limits.max_stop_chars) {
+    fail('stop', `a stop string is ${longest} characters, the limit is ${limits.max_stop_chars}`);
+  }
+  if (req.stop_token_ids.length > limits.max_stop_token_ids) {
+    fail('stop_token_ids', `${req.stop_token_ids.length} stop_token_ids, the limit is ${limits.max_stop_token_ids}`);
+  }
   if (req.n > limits.max_n) fail('n', `n is ${req.n}, the limit is ${limits.max_n}`);
   const width = widthOf(req);
   if (width > limits.max_width) {
     const field = req.use_beam_search ? 'beam_width' : 'best_of';
     fail(field, `${field} is ${width}, the limit is ${limits.max_width}`);
   }
-  if (req.stop.length > limits.max_stop) fail('stop', `${req.stop.length} stop strings, the limit is ${limits.max_stop}`);
   // Sizes are UTF-8 bytes of compact JSON, as Python's metadata_bytes measures them (a float such as 1.0 may
   // differ by a byte or two: the worker has the last word).
   const constraint = constraintOf(req);

@@ -25,6 +25,8 @@ export async function use(): Promise<string> {
     { prompt: 'p', guided_json: '{"type": "string"}' }, { prompt: 'p', guided_grammar: 'start: "a"+' },
     { prompt: 'p', response_format: { type: 'json_object' } }]);
   text += String(createClient({ limits: { max_constraint_bytes: 1024 } }).limits.max_constraint_bytes);
+  const stops = createClient({ limits: { max_stop_chars: 64, max_stop_token_ids: 8 } }).limits;
+  text += `${stops.max_stop_chars}${stops.max_stop_token_ids}`;
   try {
     await client.submitMany([{ prompt: 'a' }, { id: job.id, prompt: 'b' }]);
   } catch (err) {
