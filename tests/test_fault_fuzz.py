@@ -42,14 +42,14 @@ hostile_text = st.text(max_size=40) | lone | st.sampled_from(
 def ints(lo: int, hi: int, plausible: st.SearchStrategy | None = None) -> st.SearchStrategy:
     """Integers in range, at its ends, just past them, far past them, and not integers at all."""
     edges = st.sampled_from([lo, hi, lo - 1, hi + 1, 2**63, -(2**63) - 1, 2**64, 2**200])
-    return (plausible or st.integers(lo, min(hi, lo + 50))) | edges | huge | floats | junk
+    return (st.integers(lo, min(hi, lo + 50)) if plausible is None else plausible) | edges | huge | floats | junk
 
 
 def reals(lo: float, hi: float, plausible: st.SearchStrategy | None = None) -> st.SearchStrategy:
     """Floats in range, at its ends, just past them, the extremes of a float, NaN and infinities, wrong types."""
     edges = st.sampled_from([lo, hi, lo - 1e-9, hi * (1 + 1e-9) + 1e-9, 5e-324, -5e-324, 1e-45, 1e38, 3.5e38, 1e308,
                              -1e308])
-    return (plausible or st.floats(lo, hi)) | edges | floats | junk
+    return (st.floats(lo, hi) if plausible is None else plausible) | edges | floats | junk
 
 
 schema = st.sampled_from([{"type": "object"}, {"type": "string", "maxLength": 3}, {"enum": ["a", "b"]}, True,
