@@ -31,6 +31,13 @@ def test_container_commands_exist():
         assert result.exit_code == 0, (name, result.output)
 
 
+def test_a_worker_that_exits_is_started_again():
+    yaml = pytest.importorskip("yaml")
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    for name in ("redis", "worker", "dashboard"):
+        assert services[name].get("restart") == "unless-stopped", name
+
+
 def test_prometheus_and_grafana_files_are_wired():
     yaml = pytest.importorskip("yaml")
     services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]

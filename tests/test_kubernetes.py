@@ -49,6 +49,9 @@ def test_worker_deployment_runs_real_commands_with_probes_and_a_drain():
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert "kill -TERM 1" in " ".join(worker["lifecycle"]["preStop"]["exec"]["command"])
     assert spec["terminationGracePeriodSeconds"] > float(env["PAGEDQ_DRAIN_TIMEOUT"])
+    # A worker that stops itself (its engine fails with no job to blame) is started again: a Deployment's pods
+    # restart always, and no manifest may say otherwise.
+    assert spec.get("restartPolicy", "Always") == "Always"
 
 
 def test_keda_scales_the_worker_on_its_queue():
