@@ -22,6 +22,18 @@ BAD = [
     ("bad-message", json.dumps({"id": "bad-message", "messages": [{"role": "user"}]}), "invalid_request",
      "content"),
     ("other-id", json.dumps({"id": "not-this", "prompt": "x"}), "invalid_request", "differs"),
+    # JSON may spell a lone surrogate; no text may hold one (issue 38: it stopped a batch in `validating`).
+    ("surrogate", json.dumps({"id": "surrogate", "prompt": "\ud800"}), "invalid_request",
+     "prompt: text is not valid Unicode"),
+    ("surrogate-message", json.dumps({"messages": [{"role": "user", "content": "a\udfffb"}]}), "invalid_request",
+     "messages[0].content: text is not valid Unicode"),
+    # Past what this worker's engine can ever run: refused at once, naming the field, never parked.
+    ("stop-id", json.dumps({"prompt": "x", "stop_token_ids": [49152]}), "invalid_request",
+     "stop_token_ids: 49152 is not a token of this model"),
+    ("too-wide", json.dumps({"prompt": "x", "n": 4, "best_of": 24}), "invalid_request",
+     "best_of is 24: this engine runs at most 16 sequences"),
+    ("too-many-blocks", json.dumps({"prompt": "x", "n": 12, "max_tokens": 200}), "invalid_request",
+     "its continuations may need 96 KV blocks, and this engine's cache holds 64"),
 ]
 
 
@@ -31,7 +43,7 @@ def test_bad_jobs_fail_clearly_then_a_good_job_completes(redis_url, queue, rds, 
         rds.xadd(c.keys.jobs, {"id": job_id, "job": raw})
     rds.xadd(c.keys.jobs, {"id": "no-job-field"})
     c.submit(id="too-late", prompt="x", timeout_s=0.01)  # its deadline passes before any worker starts
-    start_worker(queue, pq_tiny_model, "--max-model-len", "128", "--num-kv-blocks", "64",
+    start_worker(queue, pq_tiny_model, "--max-model-len", "128", "--num-kv-blocks", "64", "--max-num-seqs", "16",
                  "--max-tokens-limit", "300", "--served-model-name", "tiny")
     # These jobs have no job record until the worker adopts their entries: wait for that first.
     end = time.monotonic() + 120

@@ -29,10 +29,16 @@ def parse(fields: dict, job_id: str, limits: Limits, served: set[str]) -> JobReq
         req = JobRequest.model_validate_json(raw)
     except ValidationError as e:
         errs = e.errors(include_url=False)
-        if errs and errs[0]["type"] == "json_invalid":
+        if not errs or errs[0]["type"] != "json_invalid":
+            raise _invalid(errs) from None
+        try:  # JSON that spells a lone surrogate ("\ud800") is JSON still: the request's text is what is wrong
+            body = json.loads(raw)
+        except (ValueError, RecursionError):
             raise Rejected("invalid_json", f"job is not valid JSON: {errs[0]['msg']}") from None
-        parts = [f"{'.'.join(str(x) for x in err['loc']) or 'request'}: {err['msg']}" for err in errs]
-        raise Rejected("invalid_request", "; ".join(parts)) from None
+        try:
+            req = JobRequest.model_validate(body)
+        except ValidationError as again:
+            raise _invalid(again.errors(include_url=False)) from None
     if req.id != job_id:
         if "id" in req.model_fields_set and json.loads(raw).get("id") is not None:
             raise Rejected("invalid_request", f"the JSON's id {req.id!r} differs from the entry's id {job_id!r}")
@@ -46,6 +52,11 @@ def parse(fields: dict, job_id: str, limits: Limits, served: set[str]) -> JobReq
     except ValueError as e:
         raise Rejected("limit_exceeded", str(e)) from None
     return req
+
+
+def _invalid(errs: list) -> Rejected:
+    parts = [f"{'.'.join(str(x) for x in err['loc']) or 'request'}: {err['msg']}" for err in errs]
+    return Rejected("invalid_request", "; ".join(parts))
 
 
 def job_seed(job_id: str) -> int:

@@ -419,20 +419,22 @@ class Worker:
         """Parked jobs go back into the engine, each from what its event stream holds."""
         if not job_ids:
             return
-        if not self.publisher.flush(FLUSH_TIMEOUT_S):
-            # Redis is away: what the streams hold is not known yet. Another worker resumes them from there.
-            log.warning("streams not written after %.0f s: handing %d parked jobs back", FLUSH_TIMEOUT_S,
-                        len(job_ids))
-            for job_id in job_ids:
-                job = self._drop(job_id)
-                if job is not None:
-                    self.publisher.release(job, wire.HANDBACK)
+        jobs = [self.active[j] for j in job_ids if j in self.active]
+        try:
+            if not self.publisher.flush(FLUSH_TIMEOUT_S):
+                raise redis_lib.TimeoutError(f"streams not written after {FLUSH_TIMEOUT_S:.0f} s")
+            for job in jobs:
+                self._read_resumed(job)
+        except (redis_lib.ConnectionError, redis_lib.TimeoutError) as e:
+            # What the streams hold is not known now: no fault of the jobs'. Another worker resumes them from there.
+            log.warning("redis unreachable (%s): handing %d parked jobs back", e, len(jobs))
+            for job in jobs:
+                self._drop(job.id)
+                self.publisher.release(job, wire.HANDBACK)
             return
-        for job_id in job_ids:
-            job = self.active.get(job_id)
-            self.parked.discard(job_id)
-            if job is not None:
-                self._guarded(job, lambda job=job: (self._read_resumed(job), self._enter(job)))
+        for job in jobs:
+            self.parked.discard(job.id)
+            self._guarded(job, lambda job=job: self._enter(job))
 
     def _collect(self, outs: list, now: float) -> tuple[list, list, list, int]:
         """One pass over a step's outputs -> those of the jobs held (the publisher's), (job, output) pairs for
