@@ -334,6 +334,11 @@ def budget_member(item_id: str, size: int) -> str:
     return f"{item_id} {size}"
 
 
+def budget_item(member: str) -> str:
+    """The item id of a budget's member."""
+    return member.rpartition(" ")[0]
+
+
 def reserve(budget: str, item_id: str, size: int, cap: int, expires_at: int, now: float) -> Call[Reservation]:
     """Take room for `size` of item `item_id` in `budget` until `expires_at` (unix s), unless the items there
     would pass `cap` (0: no cap)."""
