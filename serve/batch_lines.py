@@ -10,6 +10,7 @@ line holds stops the others.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 from producer.protocol import JobRequest, JobResult, Limits, lone_surrogate
@@ -20,6 +21,7 @@ from serve.errors import APIError, from_result
 from serve.translate import CONSTRAINTS, Kind, Parsed, endpoint_kind, parse
 
 CONSTRAINT_BUDGET_S = 5.0  # how long one line's constraint may take to check before the line is refused
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _CONSTRAINED = {"response_format", "tools", *CONSTRAINTS}  # fields whose check may compile a grammar
 
 
@@ -85,8 +87,12 @@ class LineReader:
         """Lines `first`, `first` + 1, ... of the file."""
         out = Chunk()
         for i, line in enumerate(lines, first):
-            it = self.item(line, f"{self.batch_id}-{i}")
-            out.items[str(i)] = it.to_json()
+            try:
+                it = self.item(line, f"{self.batch_id}-{i}")
+                out.items[str(i)] = it.to_json()
+            except RecursionError:  # JSON nested deeper than Python's stack: that line's fault alone
+                it = Item(None, error={"code": "invalid_json", "message": "line nests too deep to be read"})
+                out.items[str(i)] = it.to_json()
             if it.request is None:
                 out.errors += 1
             else:
@@ -105,7 +111,8 @@ class LineReader:
         if not isinstance(d, dict):
             return Item(None, error={"code": "invalid_request", "message": "line is not a JSON object"})
         cid = d.get("custom_id")
-        found = lone_surrogate(d)
+        # The file is UTF-8, so a lone surrogate can only come from a JSON escape: most lines need no walk.
+        found = lone_surrogate(d) if _SURROGATE_ESCAPE.search(line) else None
         if found is not None:
             # Nothing of such a line may reach Redis or a response as it is: UTF-8 cannot hold it.
             where, char = found
@@ -186,7 +193,11 @@ def output_lines(batch_id: str, kind: Kind, first: int, raw_items: list[str | No
     for i, (raw, result) in enumerate(zip(raw_items, raw_results, strict=True), first):
         if raw is None:  # the batch expired meanwhile
             continue
-        res = JobResult.model_validate_json(result) if result else None
-        ok, text = output_line(Item.from_json(raw), f"{batch_id}-{i}", kind, res)
+        try:
+            res = JobResult.model_validate_json(result) if result else None
+            ok, text = output_line(Item.from_json(raw), f"{batch_id}-{i}", kind, res)
+        except Exception as e:  # one line that cannot be written must not keep the batch from its end
+            ok, text = False, json.dumps({"id": f"batch_req_{batch_id}-{i}", "custom_id": None, "response": None,
+                                          "error": {"code": "output_error", "message": f"{type(e).__name__}: {e}"}})
         (good if ok else bad).append(text + "\n")
     return "".join(good).encode(), "".join(bad).encode()

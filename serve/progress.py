@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from collections.abc import Iterable
 
@@ -47,6 +48,7 @@ from serve.batch_store import (
 from serve.config import STORE_TTL_S
 from serve.translate import endpoint_kind
 
+log = logging.getLogger("pagedq.serve")
 READ_CHUNK = 1000  # lines whose job state (or result, or item) is read per round trip
 # A job's final state -> its line's outcome: the set of line numbers (BatchKeys.ended) it joins.
 _OUTCOME = {wire.COMPLETED: COMPLETED, wire.FAILED: FAILED, wire.EXPIRED: FAILED, wire.CANCELLED: CANCELLED}
@@ -62,8 +64,12 @@ def sweep(holder: Holder, tally: tenancy.Tally | None = None) -> Flow:
             yield Cmd("srem", (BatchKeys.active, batch_id))
     mine = yield from holder.take(leases)
     for key in mine:
-        with contextlib.suppress(LeaseLost):  # it stalled past its lease: the new holder goes on
+        try:
             yield from move(leases[key], holder, tally)
+        except LeaseLost:  # it stalled past its lease: the new holder goes on
+            pass
+        except Exception:  # one batch's trouble (or a moment without Redis) is no reason to leave the others
+            log.warning("moving batch %s on failed; the next round tries again", leases[key], exc_info=True)
     return len(mine)
 
 
