@@ -20,7 +20,7 @@ from producer import calls, flows
 from producer.flows import Cmd, Flow, Offload, Pipe
 from producer.keys import ApiKeyKeys, BatchKeys
 from serve import batch_store, files, progress
-from serve.batch_lease import Holder
+from serve.batch_lease import CREATOR_LEASE_MS, Holder, LeaseLost
 from serve.batch_lines import LineReader, request_lines
 from serve.batch_store import FAILED, QUEUES, VALIDATED, VALIDATING
 from serve.config import ServeConfig
@@ -46,7 +46,7 @@ def create(config: ServeConfig, input_file_id: str, endpoint: str, window_s: int
             yield from batch_store.ended(batch_id, owner)
         raise bad_request(f"the input file holds {len(lines)} requests; a batch may hold {config.max_batch_lines} "
                           "at most: split it", "input_file_id", "batch_too_large")
-    holder = Holder()  # this call's own: the process's sweeper must not take it for its own
+    holder = Holder(CREATOR_LEASE_MS)  # this call's own: the process's sweeper must not take it for its own
     fields = fields | {"id": batch_id, "input_file_id": input_file_id, "endpoint": endpoint, "created_at": now,
                        "expires_at": now + window_s, "total": len(lines), "line_errors": 0, "status": VALIDATING,
                        "ttl": config.store_ttl_s} | ({files.OWNER: owner} if owner else {})
@@ -60,11 +60,12 @@ def create(config: ServeConfig, input_file_id: str, endpoint: str, window_s: int
         return batch_id
     reader = LineReader(batch_id, endpoint, config, window_s)
     try:
-        read = yield from _read(batch_id, owner, lines, reader, config.store_ttl_s, holder)
+        if (yield from _read(batch_id, owner, lines, reader, config.store_ttl_s, holder)):
+            yield from progress.submit_jobs(batch_id, owner, holder)
+    except LeaseLost:  # this call stalled past its lease, and the batch was taken over: it is the taker's now
+        log.warning("batch %s: its creator lost its lease; another process moves it on", batch_id)
     finally:
         reader.close()
-    if read:
-        yield from progress.submit_jobs(batch_id, owner, holder)
     return batch_id
 
 

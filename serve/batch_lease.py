@@ -17,7 +17,9 @@ from producer import calls, flows
 from producer.flows import Cmd, Flow
 
 LEASE_MS = 10_000  # a holder that did not renew for this long is presumed gone
-RENEW_AFTER_S = LEASE_MS / 3000  # within one long step (a batch's output written), renewed this often
+# A batch's creator renews its lease between chunks of lines, and a chunk may take long on a busy machine (slow
+# constraints take up to their time budget): its lease lasts longer, or a live creator would be taken over.
+CREATOR_LEASE_MS = 60_000
 TAKE_CHUNK = 500  # leases taken or renewed per round trip
 
 
@@ -34,14 +36,15 @@ class Holder:
     """One holder of leases: a serve process's sweeper (for as long as it runs), a batch's creator, `pagedq batch
     wait`."""
 
-    def __init__(self, token: str | None = None) -> None:
-        self.token = token or new_token()
+    def __init__(self, ms: int = LEASE_MS) -> None:
+        self.token = new_token()
+        self.ms = ms  # how long its leases last unrenewed; within one long step, renewed every third of it
         self._renewed: dict[str, float] = {}  # lease key -> when this holder last took or renewed it (monotonic)
 
     def claim(self, key: str) -> Cmd:
         """The command that takes a lease no one can hold yet (a new batch's), to send with others."""
         self._renewed[key] = time.monotonic()
-        return Cmd("set", (key, self.token), {"nx": True, "px": LEASE_MS})
+        return Cmd("set", (key, self.token), {"nx": True, "px": self.ms})
 
     def take(self, keys: Iterable[str]) -> Flow:
         """Take or renew each of `keys`; returns those this holder holds now."""
@@ -49,7 +52,7 @@ class Holder:
         held = []
         for s in range(0, len(keys), TAKE_CHUNK):
             part = keys[s:s + TAKE_CHUNK]
-            outs = yield from flows.run_calls([calls.lease(k, self.token, LEASE_MS) for k in part])
+            outs = yield from flows.run_calls([calls.lease(k, self.token, self.ms) for k in part])
             for k, ok in zip(part, outs, strict=True):
                 if isinstance(ok, Exception):
                     raise ok
@@ -62,7 +65,7 @@ class Holder:
 
     def keep(self, key: str) -> Flow:
         """Renew `key` if it is due (a step that takes long keeps its lease); LeaseLost when another holds it."""
-        if time.monotonic() - self._renewed.get(key, 0.0) < RENEW_AFTER_S:
+        if time.monotonic() - self._renewed.get(key, float("-inf")) < self.ms / 3000:
             return
         if not (yield from self.take([key])):
             raise LeaseLost(f"{key} is held by another process now")

@@ -49,6 +49,7 @@ from serve.config import STORE_TTL_S
 from serve.translate import endpoint_kind
 
 log = logging.getLogger("pagedq.serve")
+SUBMIT_WITHIN_S = 3600  # a batch still validating this long after its creation is failed (never stuck there)
 READ_CHUNK = 1000  # lines whose job state (or result, or item) is read per round trip
 # A job's final state -> its line's outcome: the set of line numbers (BatchKeys.ended) it joins.
 _OUTCOME = {wire.COMPLETED: COMPLETED, wire.FAILED: FAILED, wire.EXPIRED: FAILED, wire.CANCELLED: CANCELLED}
@@ -155,16 +156,22 @@ def _queues(batch_id: str) -> Flow:
 
 
 def _resume(batch_id: str, h: dict, owner: str | None, holder: Holder) -> Flow:
-    """A batch still validating: its creator is at it, or died. Take over only once its lease lapsed."""
-    if not (yield from holder.take([BatchKeys.submitting(batch_id)])):
+    """A batch still validating: its creator is at it, or died. Take over only once its lease lapsed: submit its
+    jobs, or fail it when its lines were not all read, or its jobs could not be submitted for too long."""
+    lease = BatchKeys.submitting(batch_id)
+    if not (yield from holder.take([lease])):
         return
-    if h.get(VALIDATED):
+    late = time.time() > int(h["created_at"]) + SUBMIT_WITHIN_S
+    if h.get(VALIDATED) and not late:
         yield from submit_jobs(batch_id, owner, holder)
         return
-    yield from batch_store.fail(batch_id, owner, (VALIDATING,), "validation_interrupted",
-                                "the process that read the batch's lines stopped before it had read them all; "
-                                "create the batch again")
-    yield from holder.give_up(BatchKeys.submitting(batch_id))
+    if h.get(VALIDATED):
+        code, why = "submission_failed", f"its jobs could not be submitted within {SUBMIT_WITHIN_S} s of its creation"
+    else:
+        code, why = "validation_interrupted", "the process that read its lines stopped before it had read them all"
+    yield from batch_store.fail(batch_id, owner, (VALIDATING,), code, f"{why}; create the batch again")
+    yield from cancel_open(batch_id)  # what was submitted of it
+    yield from holder.give_up(lease)
 
 
 def _record(batch_id: str, h: dict, owner: str | None, tally: tenancy.Tally | None, holder: Holder) -> Flow:

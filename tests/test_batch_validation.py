@@ -128,3 +128,19 @@ def test_a_batch_whose_reader_died_midway_is_failed_by_the_next(r, redis_url, qu
     b = flows.drive(r, batches.get(batch_id))
     assert b["status"] == "failed" and b["errors"]["data"][0]["code"] == "validation_interrupted"
     assert batch_id not in r.smembers(BatchKeys.active)
+
+
+def test_a_batch_whose_jobs_cannot_be_submitted_for_an_hour_is_failed(r, redis_url, queue):
+    """Its lines were all read, and every process that took it over failed to submit its jobs for an hour."""
+    cfg = ServeConfig(redis_url=redis_url, queue=queue)
+    f = flows.drive(r, files.put("\n".join(line(f"r{i}") for i in range(3)), "in.jsonl", "batch", 600))
+    flow = batches.create(cfg, f["id"], "/v1/chat/completions")
+    reply = None
+    while not isinstance(op := flow.send(reply), flows.Pipe) or not any("EVALSHA" in c.args for c in op.cmds):
+        reply = flows.execute(r, op)
+    flow.close()  # the creator dies as it submits
+    (batch_id,) = [i for i in r.smembers(BatchKeys.active) if r.hget(BatchKeys.batch(i), "input_file_id") == f["id"]]
+    r.delete(BatchKeys.submitting(batch_id))
+    r.hincrby(BatchKeys.batch(batch_id), "created_at", -7200)
+    b = flows.drive(r, batches.get(batch_id))
+    assert b["status"] == "failed" and b["errors"]["data"][0]["code"] == "submission_failed"
