@@ -24,32 +24,30 @@ from serve.batch_lease import CREATOR_LEASE_MS, Holder, LeaseLost
 from serve.batch_lines import LineReader, request_lines
 from serve.batch_store import FAILED, QUEUES, VALIDATED, VALIDATING
 from serve.config import ServeConfig
-from serve.errors import APIError, bad_request
+from serve.errors import APIError, bad_request, not_found
 
 log = logging.getLogger("pagedq.serve")
 READ_CHUNK = 1000  # lines read (validated) per step off the event loop, then stored
 
 
-def create(config: ServeConfig, input_file_id: str, endpoint: str, window_s: int, fields: dict,
+def create(config: ServeConfig, input_file_id: str, endpoint: str, window_s: int, asked: dict,
            owner: str | None = None, max_batches: int = 0) -> Flow:
-    """Create a batch of the file's lines (`fields`: those of its hash the request gave) as key id `owner`'s
+    """Create a batch of the file's lines (`asked`: the fields of its hash the request gave) as key id `owner`'s
     (within its cap of `max_batches` unended batches, 0: none) and submit its jobs; returns its id."""
     batch_id = batch_store.new_id()
     now = int(time.time())
     if owner:
         yield from _reserve(batch_id, owner, max_batches, now + config.store_ttl_s)
-    text = yield from files.content(input_file_id, owner)
-    lines = yield Offload(request_lines, (text or "",))
-    del text
-    if len(lines) > config.max_batch_lines:
+    try:
+        lines = yield from _request_lines(config, input_file_id, owner)
+    except APIError:
         if owner:
             yield from batch_store.ended(batch_id, owner)
-        raise bad_request(f"the input file holds {len(lines)} requests; a batch may hold {config.max_batch_lines} "
-                          "at most: split it", "input_file_id", "batch_too_large")
+        raise
     holder = Holder(CREATOR_LEASE_MS)  # this call's own: the process's sweeper must not take it for its own
-    fields = fields | {"id": batch_id, "input_file_id": input_file_id, "endpoint": endpoint, "created_at": now,
-                       "expires_at": now + window_s, "total": len(lines), "line_errors": 0, "status": VALIDATING,
-                       "ttl": config.store_ttl_s} | ({files.OWNER: owner} if owner else {})
+    fields = asked | {"id": batch_id, "input_file_id": input_file_id, "endpoint": endpoint, "created_at": now,
+                      "expires_at": now + window_s, "total": len(lines), "line_errors": 0, "status": VALIDATING,
+                      "ttl": config.store_ttl_s} | ({files.OWNER: owner} if owner else {})
     if not lines:
         fields.update(status=FAILED, failed_at=now,
                       errors=json.dumps([{"code": "empty_file", "message": "the input file holds no request"}]))
@@ -67,6 +65,18 @@ def create(config: ServeConfig, input_file_id: str, endpoint: str, window_s: int
     finally:
         reader.close()
     return batch_id
+
+
+def _request_lines(config: ServeConfig, input_file_id: str, owner: str | None) -> Flow:
+    """The file's request lines: 404 when it is gone, 400 past max_batch_lines (nothing stored yet)."""
+    text = yield from files.content(input_file_id, owner)
+    if text is None:
+        raise not_found(f"No file with id {input_file_id!r} (it was deleted)", "input_file_id")
+    lines = yield Offload(request_lines, (text,))
+    if len(lines) > config.max_batch_lines:
+        raise bad_request(f"the input file holds {len(lines)} requests; a batch may hold {config.max_batch_lines} "
+                          "at most: split it", "input_file_id", "batch_too_large")
+    return lines
 
 
 def _reserve(batch_id: str, owner: str, cap: int, expires_at: int) -> Flow:

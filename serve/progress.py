@@ -86,8 +86,9 @@ def move(batch_id: str, holder: Holder, tally: tenancy.Tally | None = None) -> F
     """Move the batch on as far as its jobs allow (its sweeper lease held). `tally` hears of the usage this call
     counted for the batch's owner."""
     h = yield Cmd("hgetall", (BatchKeys.batch(batch_id),))
-    if not h:
+    if not h:  # expired
         yield Cmd("srem", (BatchKeys.active, batch_id))
+        yield from holder.give_up(BatchKeys.sweeper(batch_id))
         return
     status, owner = h["status"], h.get(files.OWNER) or None
     if status == VALIDATING:
