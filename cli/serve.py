@@ -35,6 +35,22 @@ def routing_options(f):
     return wrapper
 
 
+def batch_limit_options(f):
+    """What one batch, and one key's batches and files, may take (issue 38; a key file may set a key's own)."""
+    @click.option("--max-batch-lines", type=click.IntRange(min=1), default=default_of(ServeConfig, "max_batch_lines"),
+                  help="Requests one batch may hold (a longer input file is refused with 400)")
+    @click.option("--key-max-batches", type=int, default=default_of(ServeConfig, "key_max_batches"),
+                  help="Batches each key may have that have not ended (429 past it); none: no limit")
+    @click.option("--key-max-file-bytes", type=int, default=default_of(ServeConfig, "key_max_file_bytes"),
+                  help="Bytes of files each key may store, its batches' output files included (an upload past it "
+                       "gets 413; deleting files frees room); none: no limit")
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        return f(*args, **kwargs)
+
+    return wrapper
+
+
 # Options named otherwise than the ServeConfig field they set.
 _FIELDS = {"store_ttl": "store_ttl_s", "retry_after": "retry_after_s", "redis_wait": "redis_wait_s",
            "redis_grace": "redis_grace_s"}
@@ -52,13 +68,14 @@ def _serve_config(options: dict[str, Any]) -> ServeConfig:
 @click.command()
 @queue_options
 @routing_options
+@batch_limit_options
 @click.option("--host", envvar="PAGEDQ_SERVE_HOST", default="127.0.0.1", help="Address to listen on")
 @click.option("--port", envvar="PAGEDQ_SERVE_PORT", type=int, default=8000, help="Port to listen on")
 @click.option("--api-key", "api_keys", multiple=True, envvar="PAGEDQ_API_KEYS",
               help="A bearer token clients must send (repeatable; env: space-separated); none: open")
 @click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="A file of keys, one a line: [NAME:] KEY|sha256:HEX [rpm=N] [tpm=N] [max_jobs=N]; "
-                   "SIGHUP rereads it")
+              help="A file of keys, one a line: [NAME:] KEY|sha256:HEX [rpm=N] [tpm=N] [max_jobs=N] "
+                   "[max_batches=N] [max_file_bytes=N]; SIGHUP rereads it")
 @click.option("--key-rpm", type=int, default=default_of(ServeConfig, "key_rpm"),
               help="Requests per minute each key may make (429 past it); none: no limit")
 @click.option("--key-tpm", type=int, default=default_of(ServeConfig, "key_tpm"),

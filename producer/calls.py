@@ -283,6 +283,12 @@ def set_if(key: str, field: str, allowed: Sequence[str], values: dict[str, Any])
     return Call("set_if", [key], args, _done_now)
 
 
+def lease(key: str, token: str, ms: int) -> Call[bool]:
+    """Take or renew the lease `key` for `token`, for `ms` milliseconds (0: give it up). Reply: True when the
+    token holds it now (or gave it up), False when another token holds it."""
+    return Call("lease", [key], [token, ms], _done_now)
+
+
 # ---- the API keys of `pagedq serve` -------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -312,3 +318,29 @@ def settle(keys: ApiKeyKeys, rpm: int, tpm: int, give_back: int, jobs: int, usag
     return Call("limit", [keys.limits, keys.usage],
                 ["settle", rpm, tpm, give_back, jobs, usage.prompt_tokens, usage.completion_tokens,
                  usage.cached_tokens], lambda reply: int(reply[0]) == 1)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """reserve.lua's reply: `ok` (the item holds room now), and `total`, the sizes of the budget's items summed
+    (with this one when ok, without it when refused)."""
+
+    ok: bool
+    total: int
+
+
+def budget_member(item_id: str, size: int) -> str:
+    """An item's member in a budget (ApiKeyKeys.files, ApiKeyKeys.batches)."""
+    return f"{item_id} {size}"
+
+
+def budget_item(member: str) -> str:
+    """The item id of a budget's member."""
+    return member.rpartition(" ")[0]
+
+
+def reserve(budget: str, item_id: str, size: int, cap: int, expires_at: int, now: float) -> Call[Reservation]:
+    """Take room for `size` of item `item_id` in `budget` until `expires_at` (unix s), unless the items there
+    would pass `cap` (0: no cap)."""
+    return Call("reserve", [budget], [repr(now), cap, budget_member(item_id, size), size, expires_at],
+                lambda reply: Reservation(int(reply[0]) == 1, int(reply[1])))

@@ -2,14 +2,16 @@
 replies, shared by the sync client, the asyncio client and the worker. `drive` (sync) and `adrive` (asyncio)
 run a flow against a client; nothing else in the clients differs.
 
-A flow yields a Cmd (one Redis command), a Pipe (commands in one round trip, errors as values) or an Emit (a
-stream event for the caller).
+A flow yields a Cmd (one Redis command), a Pipe (commands in one round trip, errors as values), an Emit (a
+stream event for the caller) or an Offload (work for the CPU, which `adrive` runs in a thread: an event loop
+that drives a flow must not stall on it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator, Generator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +45,14 @@ class Pipe:
 @dataclass(frozen=True)
 class Emit:
     event: StreamEvent
+
+
+@dataclass(frozen=True)
+class Offload:
+    """fn(*args), whose value is the reply: run in a thread by the asyncio drivers, in place by the sync ones."""
+
+    fn: Callable[..., Any]
+    args: tuple = ()
 
 
 Flow = Generator[Any, Any, Any]
@@ -253,7 +263,9 @@ def _stream(keys: Keys, job_id: str, timeout: float | None, after: str, chunk_ms
 
 # ---- drivers ------------------------------------------------------------------------------------------------
 
-def execute(r, op: Cmd | Pipe) -> Any:
+def execute(r, op: Cmd | Pipe | Offload) -> Any:
+    if isinstance(op, Offload):
+        return op.fn(*op.args)
     if isinstance(op, Pipe):
         pipe = r.pipeline(transaction=False)
         for c in op.cmds:
@@ -287,7 +299,9 @@ def drive(r, flow: Flow) -> Any:
         return stop.value
 
 
-async def aexecute(r, op: Cmd | Pipe) -> Any:
+async def aexecute(r, op: Cmd | Pipe | Offload) -> Any:
+    if isinstance(op, Offload):
+        return await asyncio.to_thread(op.fn, *op.args)
     if isinstance(op, Pipe):
         pipe = r.pipeline(transaction=False)
         for c in op.cmds:

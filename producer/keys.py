@@ -109,9 +109,12 @@ class BatchKeys:
         return f"{PREFIX}:file:{{{check_store_id('file', file_id)}}}"
 
     @staticmethod
-    def file_content(file_id: str) -> str:
-        """String: the file's bytes (JSONL, UTF-8)."""
-        return f"{BatchKeys.file(file_id)}:content"
+    def file_content(file_id: str, part: int = 0) -> str:
+        """String: part `part` of the file's bytes (JSONL, UTF-8), at most serve.files.PART_BYTES of them, cut
+        between characters; the file's hash counts its `parts`. Part 0 is `...:content` (where a file written
+        whole, before files had parts, kept all of it), part n `...:content:<n>`."""
+        base = f"{BatchKeys.file(file_id)}:content"
+        return f"{base}:{part}" if part else base
 
     @staticmethod
     def batch(batch_id: str) -> str:
@@ -136,8 +139,15 @@ class BatchKeys:
 
     @staticmethod
     def submitting(batch_id: str) -> str:
-        """String with a TTL: held by the process that submits the batch's jobs; lapses if it dies."""
+        """String with a TTL: the token of the process that validates the batch's lines and submits its jobs
+        (producer/scripts/lease.lua); lapses if it dies."""
         return f"{BatchKeys.batch(batch_id)}:submitting"
+
+    @staticmethod
+    def sweeper(batch_id: str) -> str:
+        """String with a TTL: the token of the one process that moves the batch on (serve.progress), renewed
+        while it does (producer/scripts/lease.lua); another takes over once it lapses."""
+        return f"{BatchKeys.batch(batch_id)}:sweeper"
 
 
 # ---- the API keys of `pagedq serve`: what each key may still do, and what it did ----------------------------
@@ -167,3 +177,9 @@ class ApiKeyKeys:
         # Hash: `name`, and the counters `requests`, `rate_limited`, `jobs`, `prompt_tokens`,
         # `completion_tokens`, `cached_tokens`; never expires.
         self.usage = f"{self.base}:usage"
+        # Sorted sets, budgets of producer/scripts/reserve.lua: "<item id> <size>" -> the item's expiry (unix s).
+        # The files the key stores, by their bytes (its uploads and its batches' output files); and its batches
+        # not yet seen to end, each of size 1. Never expire; members leave when their item is deleted or ends,
+        # or once past their expiry.
+        self.files = f"{self.base}:files"
+        self.batches = f"{self.base}:batches"

@@ -4,10 +4,11 @@ A key's id is the first 16 hex digits of the SHA-256 of the key: what Redis reco
 files, batches and jobs, and what names its counters there. The key itself is never stored, logged or shown; its
 name is what logs and metrics show.
 
-The key file holds one key a line: `[NAME[:]] SECRET [rpm=N] [tpm=N] [max_jobs=N]`, where SECRET is the key as
-clients send it, or `sha256:<64 hex digits>`, its SHA-256, so that the file need not hold the key. A key without
-a name is named by its id. Blank lines and lines starting with # are skipped. The limits override the server's
-(`--key-rpm`, `--key-tpm`, `--key-max-jobs`) for that key; 0 lifts one. SIGHUP reloads the file in every serve
+The key file holds one key a line: `[NAME[:]] SECRET [rpm=N] [tpm=N] [max_jobs=N] [max_batches=N]
+[max_file_bytes=N]`, where SECRET is the key as clients send it, or `sha256:<64 hex digits>`, its SHA-256, so that
+the file need not hold the key. A key without a name is named by its id. Blank lines and lines starting with #
+are skipped. The limits override the server's (`--key-rpm`, `--key-tpm`, `--key-max-jobs`, `--key-max-batches`,
+`--key-max-file-bytes`) for that key; 0 lifts one. SIGHUP reloads the file in every serve
 process (serve.app); a file that does not parse leaves the keys as they were.
 """
 
@@ -22,7 +23,7 @@ from pathlib import Path
 KEY_ID_HEX = 16
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.@-]{1,64}$")
 _HASH_RE = re.compile(r"^sha256:([0-9a-fA-F]{64})$")
-_LIMIT_RE = re.compile(r"^(rpm|tpm|max_jobs)=(\d+)$")
+_LIMIT_RE = re.compile(r"^(rpm|tpm|max_jobs|max_batches|max_file_bytes)=(\d+)$")
 
 
 def digest(secret: str) -> str:
@@ -45,6 +46,8 @@ class ApiKey:
     rpm: int | None = None
     tpm: int | None = None
     max_jobs: int | None = None
+    max_batches: int | None = None
+    max_file_bytes: int | None = None
 
     @property
     def id(self) -> str:
@@ -69,7 +72,8 @@ def parse_line(line: str, where: str = "") -> ApiKey | None:
         else:
             rest.append(w)
     if len(rest) not in (1, 2):
-        raise KeyFileError(f"{where}give `[NAME:] KEY [rpm=N] [tpm=N] [max_jobs=N]` (a key has no spaces)")
+        raise KeyFileError(f"{where}give `[NAME:] KEY [rpm=N] [tpm=N] [max_jobs=N] [max_batches=N] "
+                           "[max_file_bytes=N]` (a key has no spaces)")
     secret = rest[-1]
     m = _HASH_RE.match(secret)
     hashed = m.group(1).lower() if m else digest(secret)

@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse
 from monitor.dashboard import create_app as dashboard_app
 from producer import flows
 from serve import auth, progress, routes
+from serve.batch_lease import Holder
 from serve.config import ServeConfig
 from serve.errors import APIError, bad_request
 from serve.metrics import CountRequests, ServeMetrics
@@ -49,7 +50,7 @@ def create_app(config: ServeConfig | None = None) -> FastAPI:
         if tenants.enabled:
             log.info("API keys: %s", tenants.describe())
         reloads = _on_sighup(tenants.reload)
-        sweeper = asyncio.create_task(_sweep(queues, tenants, config.sweep_interval_s))
+        sweeper = asyncio.create_task(_sweep(queues, tenants, metrics, config.sweep_interval_s))
         try:
             yield
         finally:
@@ -80,7 +81,7 @@ def create_app(config: ServeConfig | None = None) -> FastAPI:
     app.include_router(routes.model_routes(config, queues), dependencies=v1)
     # A completion is admitted once its body is read: its charge against the tokens per minute depends on it.
     app.include_router(routes.completion_routes(queues, tenants), dependencies=[Depends(authorized)])
-    app.include_router(routes.file_routes(config, queues), dependencies=v1)
+    app.include_router(routes.file_routes(config, queues, tenants), dependencies=v1)
     app.include_router(routes.batch_routes(config, queues, metrics, tenants), dependencies=v1)
     app.add_middleware(CountRequests, metrics=metrics)
     return app
@@ -127,14 +128,16 @@ def _answer_errors_as_openai(app: FastAPI, config: ServeConfig, metrics: ServeMe
         return JSONResponse(APIError(500, f"internal error: {type(e).__name__}", "server_error").body(), 500)
 
 
-async def _sweep(queues: Queues, tenants: Tenants, interval: float) -> None:
-    """Advance unfinished batches, so that they finish (and their files are written) with no client polling; now
-    and then, settle the API keys' jobs that ended with nobody waiting for them."""
+async def _sweep(queues: Queues, tenants: Tenants, metrics: ServeMetrics, interval: float) -> None:
+    """Move on the unfinished batches whose leases this process holds or can take, so that they finish (and
+    their files are written) with no client polling; now and then, settle the API keys' jobs that ended with
+    nobody waiting for them."""
     served = list(dict.fromkeys([queues.config.queue, *queues.config.routes.values()]))
+    holder = Holder()
     rounds = 0
     while True:
         try:
-            await flows.adrive(queues.redis, progress.sweep(tenants.tally))
+            metrics.batches_held.set(await flows.adrive(queues.redis, progress.sweep(holder, tenants.tally)))
             if rounds % UPKEEP_EVERY == 0:
                 await tenants.upkeep(served)
         except asyncio.CancelledError:

@@ -9,8 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from producer.connection import connect
-from producer.flows import drive
+from producer.flows import Flow, Offload, drive
+from producer.keys import BatchKeys
 from serve import batches, files
+from serve.batch_lease import Holder
 from serve.batch_store import FINAL
 from serve.config import ServeConfig
 from serve.errors import APIError
@@ -58,23 +60,29 @@ def submit(config: ServeConfig, path: str | Path, endpoint: str | None = None, w
     return _run(config.redis_url, flow())
 
 
-def status(url: str, batch_id: str) -> dict:
-    return _run(url, batches.get(batch_id))
+def status(url: str, batch_id: str, holder: Holder | None = None) -> dict:
+    """The batch object, moved on first unless a server (or another `wait`) holds it."""
+    return _run(url, batches.get(batch_id, holder=holder))
 
 
 def wait(url: str, batch_id: str, on_progress: Callable[[dict], None] | None = None, interval: float = 1.0,
          timeout: float | None = None) -> dict:
-    """Advance the batch until it is final (this process is enough: no server need run)."""
+    """Move the batch on until it is final (this process is enough: no server need run), holding its lease for
+    the while when no server holds it."""
     end = None if timeout is None else time.monotonic() + timeout
-    while True:
-        b = status(url, batch_id)
-        if on_progress:
-            on_progress(b)
-        if b["status"] in FINAL:
-            return b
-        if end is not None and time.monotonic() > end:
-            raise TimeoutError(f"batch {batch_id} is {b['status']} after {timeout} s")
-        time.sleep(interval)
+    holder = Holder()
+    try:
+        while True:
+            b = status(url, batch_id, holder)
+            if on_progress:
+                on_progress(b)
+            if b["status"] in FINAL:
+                return b
+            if end is not None and time.monotonic() > end:
+                raise TimeoutError(f"batch {batch_id} is {b['status']} after {timeout} s")
+            time.sleep(interval)
+    finally:
+        _run(url, holder.give_up(BatchKeys.sweeper(batch_id)))
 
 
 def download(url: str, batch_id: str, out: str | Path, errors: str | Path | None = None) -> dict:
@@ -86,9 +94,23 @@ def download(url: str, batch_id: str, out: str | Path, errors: str | Path | None
     for file_id, target, name in ((b["output_file_id"], out, "output"), (b["error_file_id"], errors, "errors")):
         if target is None:
             continue
-        text = _run(url, files.content(file_id)) if file_id else ""
-        if file_id and text is None:
+        with open(target, "w", encoding="utf-8") as f:
+            counts[name] = _run(url, _save(file_id, f)) if file_id else 0
+        if counts[name] is None:
             raise BatchError(f"the {name} file {file_id} expired")
-        Path(target).write_text(text or "", encoding="utf-8")
-        counts[name] = len((text or "").splitlines())
     return counts
+
+
+def _save(file_id: str, f) -> Flow:
+    """Write the file to `f` a part at a time; returns its lines (None: it expired, before or meanwhile)."""
+    found = yield from files.parts(file_id)
+    if found is None:
+        return None
+    lines = 0
+    for n in range(found[0]):
+        text = yield from files.part(file_id, n)
+        if text is None:
+            return None
+        yield Offload(f.write, (text,))
+        lines += text.count("\n")
+    return lines

@@ -1,16 +1,28 @@
 """A batch's lines: the input JSONL -> one item per request (its job, or why it cannot run), and each item's
-line of the output or error file, in OpenAI's formats."""
+line of the output or error file, in OpenAI's formats.
+
+Reading lines is CPU work (JSON, the request's checks, a constraint's grammar): serve.batch_intake runs it off
+the event loop, a chunk at a time. A line is checked as the live routes check a request (serve.translate.parse,
+the size limits of producer.protocol.Limits) and whatever is wrong with it becomes its error line; nothing one
+line holds stops the others.
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
-from producer.protocol import JobRequest, JobResult
+from producer.protocol import JobRequest, JobResult, Limits, lone_surrogate
 from serve import responses
+from serve.check_budget import CheckBudget
 from serve.config import ServeConfig
 from serve.errors import APIError, from_result
-from serve.translate import Kind, Parsed, parse
+from serve.translate import CONSTRAINTS, Kind, Parsed, endpoint_kind, parse
+
+CONSTRAINT_BUDGET_S = 5.0  # how long one line's constraint may take to check before the line is refused
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_CONSTRAINED = {"response_format", "tools", *CONSTRAINTS}  # fields whose check may compile a grammar
 
 
 @dataclass
@@ -38,50 +50,117 @@ class Item:
         return cls(d["custom_id"], JobRequest.model_validate(d["request"]), d["queue"], d["logprobs"])
 
 
-def read_items(text: str, endpoint: str, kind: Kind, batch_id: str, config: ServeConfig, timeout_s: float
-               ) -> list[Item]:
-    """One item per non-blank line; line i's job id is `<batch id>-<i>`, so that submitting again (a process
-    that resumes a batch another one began) makes no second job."""
-    items: list[Item] = []
-    seen: set[str] = set()
-    for line in (s for s in text.splitlines() if s.strip()):
-        items.append(_item(line, endpoint, kind, f"{batch_id}-{len(items)}", config, timeout_s, seen))
-    return items
+def request_lines(text: str) -> list[str]:
+    """The file's non-blank lines. Split on newlines only, as JSONL is: JSON text may hold U+2028 and the other
+    separators str.splitlines() would cut at."""
+    return [line for line in text.split("\n") if line.strip()]
 
 
-def _item(line: str, endpoint: str, kind: Kind, job_id: str, config: ServeConfig, timeout_s: float,
-          seen: set[str]) -> Item:
-    try:
-        d = json.loads(line)
-    except ValueError as e:
-        return Item(None, error={"code": "invalid_json", "message": f"line is not JSON: {e}"})
-    if not isinstance(d, dict):
-        return Item(None, error={"code": "invalid_request", "message": "line is not a JSON object"})
-    cid = d.get("custom_id")
-    if not isinstance(cid, str) or not cid:
-        return Item(None, error={"code": "missing_custom_id", "message": "custom_id must be a non-empty string"})
-    if cid in seen:
-        return Item(cid, error={"code": "duplicate_custom_id", "message": f"custom_id {cid!r} is used twice"})
-    seen.add(cid)
-    if d.get("method", "POST") != "POST":
-        return Item(cid, error={"code": "invalid_method", "message": "method must be POST"})
-    if d.get("url") != endpoint:
-        return Item(cid, error={"code": "invalid_url",
-                                "message": f"url is {d.get('url')!r}; this batch's endpoint is {endpoint}"})
-    body = d.get("body")
-    try:
-        if isinstance(body, dict) and body.get("stream"):
-            raise APIError(400, "stream is not allowed in a batch", param="stream")
-        p = parse(kind, body, job_id, config.default_max_tokens)
-        if not config.known(p.model):
-            raise APIError(404, f"The model `{p.model}` is not served here", param="model", code="model_not_found")
-    except APIError as e:
-        return Item(cid, error={"code": e.code or e.type, "message": e.message, "param": e.param})
-    extra = {"timeout_s": timeout_s}  # a job still queued when the window closes expires by itself
-    if "priority" not in body:
-        extra["priority"] = config.batch_priority
-    req = p.request.model_copy(update=extra)
-    return Item(cid, req, config.queue_of(p.model), p.logprobs)
+@dataclass
+class Chunk:
+    """What reading some lines gave: each line's item as stored (line number -> JSON), the lines that run a job,
+    their queues, and how many lines cannot run."""
+
+    items: dict[str, str] = field(default_factory=dict)
+    jobs: list[str] = field(default_factory=list)
+    queues: set[str] = field(default_factory=set)
+    errors: int = 0
+
+
+class LineReader:
+    """Reads one batch's lines into items, a chunk at a time, remembering the custom_ids seen. Line i's job id is
+    `<batch id>-<i>`, so that submitting again (a process that resumes a batch another began) makes no second
+    job."""
+
+    def __init__(self, batch_id: str, endpoint: str, config: ServeConfig, timeout_s: float,
+                 limits: Limits | None = None) -> None:
+        self.batch_id = batch_id
+        self.endpoint = endpoint
+        self.kind: Kind = endpoint_kind(endpoint)
+        self.config = config
+        self.timeout_s = timeout_s  # a job still queued when the window closes expires by itself
+        self.limits = limits or Limits()  # the live routes' (their AsyncClients' default), which workers enforce
+        self.seen: set[str] = set()
+        self.budget = CheckBudget(CONSTRAINT_BUDGET_S)
+
+    def read(self, lines: list[str], first: int) -> Chunk:
+        """Lines `first`, `first` + 1, ... of the file."""
+        out = Chunk()
+        for i, line in enumerate(lines, first):
+            try:
+                it = self.item(line, f"{self.batch_id}-{i}")
+                out.items[str(i)] = it.to_json()
+            except RecursionError:  # JSON nested deeper than Python's stack: that line's fault alone
+                it = Item(None, error={"code": "invalid_json", "message": "line nests too deep to be read"})
+                out.items[str(i)] = it.to_json()
+            if it.request is None:
+                out.errors += 1
+            else:
+                out.jobs.append(str(i))
+                out.queues.add(it.queue)
+        return out
+
+    def close(self) -> None:
+        self.budget.close()
+
+    def item(self, line: str, job_id: str) -> Item:
+        try:
+            d = json.loads(line)
+        except ValueError as e:
+            return Item(None, error={"code": "invalid_json", "message": f"line is not JSON: {e}"})
+        if not isinstance(d, dict):
+            return Item(None, error={"code": "invalid_request", "message": "line is not a JSON object"})
+        cid = d.get("custom_id")
+        # The file is UTF-8, so a lone surrogate can only come from a JSON escape: most lines need no walk.
+        found = lone_surrogate(d) if _SURROGATE_ESCAPE.search(line) else None
+        if found is not None:
+            # Nothing of such a line may reach Redis or a response as it is: UTF-8 cannot hold it.
+            where, char = found
+            return Item(_printable(cid) if isinstance(cid, str) else None,
+                        error={"code": "invalid_unicode", "message": f"{_printable(where) or 'line'}: text is not "
+                               f"valid Unicode (a lone surrogate, U+{ord(char):04X}): send UTF-8 text"})
+        if not isinstance(cid, str) or not cid:
+            return Item(None, error={"code": "missing_custom_id", "message": "custom_id must be a non-empty string"})
+        if cid in self.seen:
+            return Item(cid, error={"code": "duplicate_custom_id", "message": f"custom_id {cid!r} is used twice"})
+        self.seen.add(cid)
+        if d.get("method", "POST") != "POST":
+            return Item(cid, error={"code": "invalid_method", "message": "method must be POST"})
+        if d.get("url") != self.endpoint:
+            return Item(cid, error={"code": "invalid_url",
+                                    "message": f"url is {d.get('url')!r}; this batch's endpoint is {self.endpoint}"})
+        return self._request(cid, d.get("body"), job_id)
+
+    def _request(self, cid: str, body: object, job_id: str) -> Item:
+        try:
+            if isinstance(body, dict) and body.get("stream"):
+                raise APIError(400, "stream is not allowed in a batch", param="stream")
+            p = self._parse(body, job_id)
+            if not self.config.known(p.model):
+                raise APIError(404, f"The model `{p.model}` is not served here", param="model",
+                               code="model_not_found")
+            self.limits.check(p.request)
+        except APIError as e:
+            return Item(cid, error={"code": e.code or e.type, "message": e.message, "param": e.param})
+        except TimeoutError as e:
+            return Item(cid, error={"code": "constraint_timeout", "message": f"the constraint was not checked: {e}"})
+        except ValueError as e:  # a size limit
+            return Item(cid, error={"code": "limit_exceeded", "message": str(e)})
+        extra: dict = {"timeout_s": self.timeout_s}
+        if "priority" not in body:
+            extra["priority"] = self.config.batch_priority
+        return Item(cid, p.request.model_copy(update=extra), self.config.queue_of(p.model), p.logprobs)
+
+    def _parse(self, body: object, job_id: str) -> Parsed:
+        args = (self.kind, body, job_id, self.config.default_max_tokens)
+        if isinstance(body, dict) and _CONSTRAINED & body.keys():
+            return self.budget.run(parse, *args)
+        return parse(*args)
+
+
+def _printable(text: str) -> str:
+    """`text` with lone surrogates written as escapes (\\ud800), so that it can be stored and shown."""
+    return text.encode("utf-8", "backslashreplace").decode()
 
 
 def output_line(item: Item, line_id: str, kind: Kind, res: JobResult | None) -> tuple[bool, str]:
@@ -104,3 +183,21 @@ def output_line(item: Item, line_id: str, kind: Kind, res: JobResult | None) -> 
         err = from_result(res)
         line["response"] = {"status_code": err.status, "request_id": rid, "body": err.body()}
     return False, json.dumps(line, ensure_ascii=False)
+
+
+def output_lines(batch_id: str, kind: Kind, first: int, raw_items: list[str | None], raw_results: list[str | None]
+                 ) -> tuple[bytes, bytes]:
+    """The output file's and the error file's text (UTF-8) for lines `first`, `first` + 1, ... as stored: each
+    line's item and its job's result (None: none)."""
+    good, bad = [], []
+    for i, (raw, result) in enumerate(zip(raw_items, raw_results, strict=True), first):
+        if raw is None:  # the batch expired meanwhile
+            continue
+        try:
+            res = JobResult.model_validate_json(result) if result else None
+            ok, text = output_line(Item.from_json(raw), f"{batch_id}-{i}", kind, res)
+        except Exception as e:  # one line that cannot be written must not keep the batch from its end
+            ok, text = False, json.dumps({"id": f"batch_req_{batch_id}-{i}", "custom_id": None, "response": None,
+                                          "error": {"code": "output_error", "message": f"{type(e).__name__}: {e}"}})
+        (good if ok else bad).append(text + "\n")
+    return "".join(good).encode(), "".join(bad).encode()

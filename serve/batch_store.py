@@ -7,11 +7,12 @@ code.
 from __future__ import annotations
 
 import json
+import time
+import uuid
 
 from producer import calls, flows
 from producer.flows import Cmd, Flow, Pipe
-from producer.keys import BatchKeys
-from serve.batch_lines import Item
+from producer.keys import ApiKeyKeys, BatchKeys
 
 # A batch's status, as OpenAI names them. FINALIZING is never stored: a batch reads as finalizing while it is
 # in progress with its output files being written (see render).
@@ -26,8 +27,14 @@ CANCELLED = "cancelled"
 FINAL = (COMPLETED, FAILED, EXPIRED, CANCELLED)
 TIMES = tuple(f"{s}_at" for s in (IN_PROGRESS, FINALIZING, COMPLETED, FAILED, EXPIRED, CANCELLING, CANCELLED))
 
-WRITE_CHUNK = 500  # jobs submitted or cancelled, or items written, per round trip
-SUBMIT_LEASE_MS = 60_000  # a creator silent this long is presumed dead; another process resubmits
+WRITE_CHUNK = 500  # jobs submitted or cancelled per round trip
+# Fields of a batch's hash beyond OpenAI's: its lines were all read into items; the queues its jobs run on (JSON).
+VALIDATED = "validated"
+QUEUES = "queues"
+
+
+def new_id() -> str:
+    return f"batch_{uuid.uuid4().hex}"
 
 
 def set_status_if(batch_id: str, states: tuple[str, ...], **fields: object) -> Flow:
@@ -36,15 +43,19 @@ def set_status_if(batch_id: str, states: tuple[str, ...], **fields: object) -> F
     return (yield from flows.run_call(calls.set_if(BatchKeys.batch(batch_id), "status", states, fields)))
 
 
-def load_items(batch_id: str, indices: list[str] | None = None) -> Flow:
-    """{line number: Item} for `indices` (None: all)."""
-    if indices is None:
-        raw = yield Cmd("hgetall", (BatchKeys.items(batch_id),))
-        return {int(k): Item.from_json(v) for k, v in raw.items()}
-    if not indices:
-        return {}
-    raw = yield Cmd("hmget", (BatchKeys.items(batch_id), indices))
-    return {int(k): Item.from_json(v) for k, v in zip(indices, raw) if v}
+def ended(batch_id: str, owner: str | None) -> Flow:
+    """The batch is final: no sweeper looks at it any more, and it leaves its key's unended batches."""
+    ops = [Cmd("srem", (BatchKeys.active, batch_id))]
+    if owner:
+        ops.append(Cmd("zrem", (ApiKeyKeys(owner).batches, calls.budget_member(batch_id, 1))))
+    yield Pipe(ops)
+
+
+def fail(batch_id: str, owner: str | None, states: tuple[str, ...], code: str, message: str) -> Flow:
+    """Fail the batch as a whole (OpenAI's `errors`), if its status is one of `states`."""
+    errors = json.dumps([{"code": code, "message": message, "param": None, "line": None}])
+    if (yield from set_status_if(batch_id, states, status=FAILED, failed_at=int(time.time()), errors=errors)):
+        yield from ended(batch_id, owner)
 
 
 def read(batch_id: str) -> Flow:

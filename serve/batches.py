@@ -1,41 +1,34 @@
-"""The Batch API's batches, kept in Redis (producer.keys.BatchKeys), never only in one process's memory: any
-number of `serve` processes and the `pagedq batch` CLI share them, and any of them may die mid-batch.
+"""The Batch API's operations on batches, kept in Redis (producer.keys.BatchKeys), never only in one process's
+memory: any number of `serve` processes and the `pagedq batch` CLI share them, and any of them may die mid-batch.
 
 A batch is a hash of its fields, a hash of its items (one per input line), a set of the lines whose jobs are
-still open and one set per outcome. Creating one stores all of that before submitting a single job, and the
-jobs' ids are fixed by the batch id and line number; so a process that finds a batch stuck in `validating`
-(its creator died) submits its jobs again and no job runs twice. Reading a batch back and changing its status
-are serve.batch_store's; what happens after creation is in serve.progress. Sans-IO flows (producer.flows): the
-asyncio server and the sync CLI run the same code.
+still open and one set per outcome. Creating one is serve.batch_intake's; reading a batch back and changing its
+status are serve.batch_store's; moving it on is serve.progress's. Sans-IO flows (producer.flows): the asyncio
+server and the sync CLI run the same code.
 """
 
 from __future__ import annotations
 
 import json
 import time
-import uuid
 
 from producer.flows import Cmd, Flow, Pipe
 from producer.keys import BatchKeys
-from serve import batch_store, files, progress
-from serve.batch_lines import read_items
-from serve.batch_store import CANCELLING, FAILED, IN_PROGRESS, VALIDATING, WRITE_CHUNK
+from serve import batch_intake, batch_store, files, progress
+from serve.batch_lease import Holder
+from serve.batch_store import CANCELLING, IN_PROGRESS, VALIDATING
 from serve.config import ServeConfig
 from serve.errors import APIError, bad_request, not_found
 from serve.tenancy import Tally
-from serve.translate import ENDPOINTS, endpoint_kind
+from serve.translate import ENDPOINTS
 
 WINDOWS = {"24h": 24 * 3600}
 
 
-def new_id() -> str:
-    return f"batch_{uuid.uuid4().hex}"
-
-
 def create(config: ServeConfig, input_file_id: str, endpoint: str, completion_window: str = "24h",
-           metadata: dict | None = None, owner: str | None = None) -> Flow:
-    """Create a batch from an uploaded file (of key id `owner`, which then owns the batch and its jobs) and submit
-    its jobs; returns the batch object."""
+           metadata: dict | None = None, owner: str | None = None, max_batches: int = 0) -> Flow:
+    """Create a batch from an uploaded file (of key id `owner`, which then owns the batch and its jobs, within its
+    cap of `max_batches` unended batches: 0, none) and submit its jobs; returns the batch object."""
     if endpoint not in ENDPOINTS:
         raise bad_request(f"endpoint {endpoint!r} is not supported; pagedq runs {', '.join(ENDPOINTS)}", "endpoint")
     if completion_window not in WINDOWS:
@@ -49,40 +42,10 @@ def create(config: ServeConfig, input_file_id: str, endpoint: str, completion_wi
     if meta["purpose"] != "batch":
         raise bad_request(f"file {input_file_id} has purpose {meta['purpose']!r}; a batch needs 'batch'",
                           "input_file_id")
-    text = yield from files.content(input_file_id, owner)
-    batch_id = new_id()
-    now = int(time.time())
-    window = WINDOWS[completion_window]
-    items = read_items(text or "", endpoint, endpoint_kind(endpoint), batch_id, config, window)
-    fields = {"id": batch_id, "endpoint": endpoint, "input_file_id": input_file_id,
-              "completion_window": completion_window, "created_at": now, "expires_at": now + window,
-              "metadata": json.dumps(metadata or {}), "total": len(items),
-              "line_errors": sum(it.request is None for it in items), "status": VALIDATING, "ttl": config.store_ttl_s}
-    if owner:
-        fields[files.OWNER] = owner  # in the same HSET as the rest: no moment shows the batch without it
-    if not items:
-        fields.update(status=FAILED, failed_at=now,
-                      errors=json.dumps([{"code": "empty_file", "message": "the input file holds no request"}]))
-    ttl = config.store_ttl_s
-    key = BatchKeys.batch(batch_id)
-    ops = [Cmd("set", (BatchKeys.submitting(batch_id), "creator"), {"px": batch_store.SUBMIT_LEASE_MS})]
-    for s in range(0, len(items), WRITE_CHUNK):
-        ops.append(Cmd("hset", (BatchKeys.items(batch_id),),
-                       {"mapping": {str(i): it.to_json() for i, it in enumerate(items[s:s + WRITE_CHUNK], s)}}))
-    jobs = [str(i) for i, it in enumerate(items) if it.request is not None]
-    for s in range(0, len(jobs), WRITE_CHUNK):
-        ops.append(Cmd("sadd", (BatchKeys.open(batch_id), *jobs[s:s + WRITE_CHUNK])))
-    # The batch hash last: a batch that can be read has all its items.
-    ops += [Cmd("hset", (key,), {"mapping": fields}),
-            *(Cmd("expire", (k, ttl)) for k in (key, BatchKeys.items(batch_id), BatchKeys.open(batch_id))),
-            *(c for index in (BatchKeys.batches, *([BatchKeys.batches_of(owner)] if owner else []))
-              for c in (Cmd("zadd", (index, {batch_id: now})), Cmd("zremrangebyscore", (index, 0, now - ttl))))]
-    if items:
-        ops.append(Cmd("sadd", (BatchKeys.active, batch_id)))
-    _raise_first((yield Pipe(ops)))
-    if items:
-        yield from progress.submit_jobs(batch_id, items, owner)
-    return (yield from get(batch_id, owner))
+    fields = {"completion_window": completion_window, "metadata": json.dumps(metadata or {})}
+    batch_id = yield from batch_intake.create(config, input_file_id, endpoint, WINDOWS[completion_window], fields,
+                                              owner, max_batches)
+    return (yield from show(batch_id, owner))
 
 
 def _find(batch_id: str, owner: str | None) -> Flow:
@@ -93,20 +56,35 @@ def _find(batch_id: str, owner: str | None) -> Flow:
         raise not_found(f"No batch with id {batch_id!r}")
 
 
-def cancel(batch_id: str, owner: str | None = None, tally: Tally | None = None) -> Flow:
-    """POST /v1/batches/{id}/cancel: the batch goes to cancelling, then cancelled once its jobs ended."""
+def cancel(batch_id: str, owner: str | None = None) -> Flow:
+    """POST /v1/batches/{id}/cancel: the batch goes to cancelling, its jobs are cancelled, and it is cancelled
+    once they ended (serve.progress)."""
     yield from _find(batch_id, owner)
-    moved = yield from batch_store.set_status_if(batch_id, (VALIDATING, IN_PROGRESS), status=CANCELLING,
-                                                 cancelling_at=int(time.time()))
-    if moved:
+    if (yield from batch_store.set_status_if(batch_id, (VALIDATING, IN_PROGRESS), status=CANCELLING,
+                                             cancelling_at=int(time.time()))):
         yield from progress.cancel_open(batch_id)
-    return (yield from progress.advance(batch_id, tally))
+    return (yield from show(batch_id, owner))
 
 
-def get(batch_id: str, owner: str | None = None, tally: Tally | None = None) -> Flow:
-    """The batch object, advanced first (serve.progress): its counts and status are those of its jobs now."""
+def show(batch_id: str, owner: str | None = None) -> Flow:
+    """The batch object as it stands (its counts those the process that moves it on recorded last)."""
     yield from _find(batch_id, owner)
-    out = yield from progress.advance(batch_id, tally)
+    out = yield from batch_store.read(batch_id)
+    if out is None:
+        raise not_found(f"No batch with id {batch_id!r}")
+    return out
+
+
+def get(batch_id: str, owner: str | None = None, tally: Tally | None = None, holder: Holder | None = None
+        ) -> Flow:
+    """The batch object, moved on first (serve.progress) unless another process holds it: by `holder`, which
+    keeps its lease (`pagedq batch wait`), else by this call alone (`pagedq batch status`)."""
+    yield from _find(batch_id, owner)
+    once = holder is None
+    holder = holder or Holder()
+    out = yield from progress.advance(batch_id, holder, tally)
+    if once:
+        yield from holder.give_up(BatchKeys.sweeper(batch_id))
     if out is None:
         raise not_found(f"No batch with id {batch_id!r}")
     return out
@@ -139,8 +117,3 @@ def _checked(value: str, param: str) -> str:
         raise APIError(404 if param == "batch_id" else 400, str(e), param=param) from None
     return value
 
-
-def _raise_first(replies: list) -> None:
-    for r in replies:
-        if isinstance(r, Exception):
-            raise r

@@ -40,6 +40,10 @@ class ServeConfig(BaseModel):
     store_ttl_s: int = STORE_TTL_S
     batch_priority: int = 10  # batch jobs run after interactive ones (lower runs first)
     sweep_interval_s: float = 1.0  # how often each process advances unfinished batches
+    # What one batch, and one key's batches and files, may take (a key file may set a key's own; 0 lifts one).
+    max_batch_lines: int = 50_000  # requests in one batch (OpenAI's limit): a longer file is refused, 400
+    key_max_batches: int | None = None  # batches a key may have that have not ended (429 past it); None: no limit
+    key_max_file_bytes: int | None = None  # bytes of files a key may store, its batches' outputs too (413 past it)
 
     def queue_of(self, model: str | None) -> str:
         """The queue a request for `model` goes to: its route, else the default queue."""

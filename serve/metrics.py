@@ -37,10 +37,14 @@ class ServeMetrics:
                                          "request wakes it, or its block ends", ["reader"], registry=reg,
                                          buckets=(.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5))
         self.batches = pc.Counter("pagedq_serve_batches_created", "Batches created", registry=reg)
+        self.batches_held = pc.Gauge("pagedq_serve_batches_held",
+                                     "Unfinished batches this process moves on (holds the sweeper lease of)",
+                                     registry=reg)
         self.key_requests = pc.Counter("pagedq_serve_key_requests", "HTTP requests of each API key, by status",
                                        ["key", "status"], registry=reg)
         self.key_rate_limited = pc.Counter("pagedq_serve_key_rate_limited",
-                                           "Requests of each API key refused by its limits (requests, tokens, jobs)",
+                                           "Requests of each API key refused by its limits (requests, tokens, jobs, batches, "
+                                           "file_bytes)",
                                            ["key", "limit"], registry=reg)
         self.key_jobs = pc.Counter("pagedq_serve_key_jobs", "Jobs of each API key that ended (settled here)",
                                    ["key"], registry=reg)

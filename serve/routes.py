@@ -7,12 +7,13 @@ key's are not found (404: their existence is not revealed either)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import redis as redis_lib
 from fastapi import APIRouter, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from producer import flows
 from serve import batches, completions, files
@@ -87,7 +88,7 @@ def completion_routes(queues: QueuesOf, tenants: Tenants) -> APIRouter:
     return router
 
 
-def file_routes(config: ServeConfig, queues: QueuesOf) -> APIRouter:
+def file_routes(config: ServeConfig, queues: QueuesOf, tenants: Tenants) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/files")
@@ -105,11 +106,13 @@ def file_routes(config: ServeConfig, queues: QueuesOf) -> APIRouter:
         if len(data) > config.max_file_bytes:
             raise APIError(413, f"the file is larger than {config.max_file_bytes} bytes", param="file")
         try:
-            text = data.decode()
+            await asyncio.to_thread(data.decode)  # stored as sent, once known to be UTF-8
         except UnicodeDecodeError:
             raise bad_request("the file must be UTF-8 JSONL", "file") from None
-        return await _run(queues(), files.put(text, upload.filename or "upload.jsonl", purpose, config.store_ttl_s,
-                                              owner=owner_of(request)))
+        key = key_of(request)
+        flow = files.put(data, upload.filename or "upload.jsonl", purpose, config.store_ttl_s, owner=owner_of(request),
+                         quota=tenants.limits(key).max_file_bytes)
+        return await tenants.limited(key, _run(queues(), flow))
 
     @router.get("/v1/files")
     async def list_files(request: Request, limit: int = 100, purpose: str | None = None) -> dict:
@@ -125,10 +128,20 @@ def file_routes(config: ServeConfig, queues: QueuesOf) -> APIRouter:
 
     @router.get("/v1/files/{file_id}/content")
     async def file_content(request: Request, file_id: str) -> Response:
-        text = await _run(queues(), files.content(_file_id(file_id), owner_of(request)))
-        if text is None:
+        found = await _run(queues(), files.parts(_file_id(file_id), owner_of(request)))
+        if found is None:
             raise not_found(f"No such File object: {file_id}", "file_id")
-        return Response(text, media_type="application/jsonl")
+        count, size = found
+
+        async def body() -> AsyncIterator[bytes]:
+            for n in range(count):
+                text = await _run(queues(), files.part(file_id, n))
+                if text is None:  # deleted or expired meanwhile: the body ends short of its Content-Length
+                    return
+                yield text.encode()
+
+        # A part at a time: a file of any size passes through a part's worth of this process's memory.
+        return StreamingResponse(body(), media_type="application/jsonl", headers={"Content-Length": str(size)})
 
     @router.delete("/v1/files/{file_id}")
     async def delete_file(request: Request, file_id: str) -> dict:
@@ -164,9 +177,10 @@ def batch_routes(config: ServeConfig, queues: QueuesOf, metrics: ServeMetrics, t
         unknown = set(body) - {"input_file_id", "endpoint", "completion_window", "metadata"}
         if unknown:
             raise bad_request(f"Unrecognized request argument supplied: {sorted(unknown)[0]}", sorted(unknown)[0])
-        out = await _run(queues(), batches.create(config, body["input_file_id"], body["endpoint"],
-                                                  body.get("completion_window") or "24h", body.get("metadata"),
-                                                  owner_of(request)))
+        key = key_of(request)
+        flow = batches.create(config, body["input_file_id"], body["endpoint"], body.get("completion_window") or "24h",
+                              body.get("metadata"), owner_of(request), tenants.limits(key).max_batches)
+        out = await tenants.limited(key, _run(queues(), flow))
         metrics.batches.inc()
         return out
 
@@ -174,12 +188,13 @@ def batch_routes(config: ServeConfig, queues: QueuesOf, metrics: ServeMetrics, t
     async def list_batches(request: Request, limit: int = 20, after: str | None = None) -> dict:
         return await _run(queues(), batches.listing(max(1, min(limit, 100)), after, owner_of(request)))
 
+    # Reads: the process that holds a batch's lease moves it on (serve.progress), whichever process is asked.
     @router.get("/v1/batches/{batch_id}")
     async def get_batch(request: Request, batch_id: str) -> dict:
-        return await _run(queues(), batches.get(batch_id, owner_of(request), tenants.tally))
+        return await _run(queues(), batches.show(batch_id, owner_of(request)))
 
     @router.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(request: Request, batch_id: str) -> dict:
-        return await _run(queues(), batches.cancel(batch_id, owner_of(request), tenants.tally))
+        return await _run(queues(), batches.cancel(batch_id, owner_of(request)))
 
     return router

@@ -48,6 +48,8 @@ class Limits:
     rpm: int = 0
     tpm: int = 0
     max_jobs: int = 0
+    max_batches: int = 0
+    max_file_bytes: int = 0
 
     @classmethod
     def of(cls, key: ApiKey | None, config: ServeConfig) -> Limits:
@@ -58,7 +60,8 @@ class Limits:
             return own if own is not None else server or 0
 
         return cls(pick(key.rpm, config.key_rpm), pick(key.tpm, config.key_tpm),
-                   pick(key.max_jobs, config.key_max_jobs))
+                   pick(key.max_jobs, config.key_max_jobs), pick(key.max_batches, config.key_max_batches),
+                   pick(key.max_file_bytes, config.key_max_file_bytes))
 
 
 def estimate(req: JobRequest) -> int:

@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from producer import flows
 from producer.keys import Keys
@@ -17,6 +18,9 @@ from serve.metrics import ServeMetrics
 from serve.tenancy import Limits, Ticket
 
 log = logging.getLogger("pagedq.serve")
+T = TypeVar("T")
+# A refusal's error code -> the limit that refused it, as the metrics name it (the rate limits by error type).
+_LIMIT_OF_CODE = {"key_queue_full": "jobs", "key_batches_full": "batches", "storage_limit_exceeded": "file_bytes"}
 
 
 class Tenants:
@@ -61,9 +65,18 @@ class Tenants:
         self.metrics.count_usage(key.name if key else key_id, jobs, usage.prompt_tokens, usage.completion_tokens)
 
     def _refused(self, key: ApiKey, e: APIError) -> APIError:
-        limit = "jobs" if e.code == "key_queue_full" else e.type
+        limit = _LIMIT_OF_CODE.get(e.code or "", e.type)
         self.metrics.key_rate_limited.labels(key.name, limit).inc()
         return e
+
+    async def limited(self, key: ApiKey | None, work: Awaitable[T]) -> T:
+        """`work`'s value; a refusal by one of the key's caps on batches and stored files is counted."""
+        try:
+            return await work
+        except APIError as e:
+            if key is not None and e.code in _LIMIT_OF_CODE:
+                raise self._refused(key, e) from None
+            raise
 
     async def _run(self, flow: flows.Flow) -> Any:
         return await flows.adrive(self.redis, flow)

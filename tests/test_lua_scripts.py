@@ -377,6 +377,40 @@ def test_set_if(q, queue):
     assert q.r.hgetall(key) == {"status": "cancelling", "cancelling_at": "5"}
 
 
+# ---- lease (one process moves a batch on) and reserve (an API key's budgets) ----
+
+def test_lease(q, queue):
+    key = BatchKeys.sweeper(f"b-{queue}")
+    assert q.run(calls.lease(key, "one", 60_000)) and q.r.get(key) == "one"  # free: taken
+    assert not q.run(calls.lease(key, "two", 60_000)) and q.r.get(key) == "one"  # held by another
+    q.r.pexpire(key, 10)
+    assert q.run(calls.lease(key, "one", 60_000)) and q.r.pttl(key) > 10_000  # renewed
+    assert not q.run(calls.lease(key, "two", 0)) and q.r.get(key) == "one"  # only its holder gives it up
+    assert q.run(calls.lease(key, "one", 0)) and not q.r.exists(key)
+    assert not q.run(calls.lease(key, "one", 0))  # nothing to give up
+    q.r.set(key, "one", px=1)
+    time.sleep(0.01)
+    assert q.run(calls.lease(key, "two", 60_000)) and q.r.get(key) == "two"  # lapsed: taken over
+
+
+def test_reserve(q, queue):
+    k = ApiKeyKeys(hashlib.sha256(queue.encode()).hexdigest()[:16])
+    now = time.time()
+
+    def reserve(item: str, size: int, cap: int, expires_at: float = now + 60) -> calls.Reservation:
+        return q.run(calls.reserve(k.files, item, size, cap, int(expires_at), now))
+
+    assert reserve("a", 60, 100) == calls.Reservation(True, 60)
+    assert reserve("b", 50, 100) == calls.Reservation(False, 60)  # past the cap: nothing written
+    assert reserve("a", 60, 100) == calls.Reservation(True, 60)  # held already: counted once
+    assert reserve("b", 40, 100) == calls.Reservation(True, 100)
+    assert reserve("c", 10, 0) == calls.Reservation(True, 110)  # no cap: counted all the same
+    q.r.zadd(k.files, {calls.budget_member("old", 500): now - 5})  # expired: it leaves first
+    assert reserve("d", 1, 0) == calls.Reservation(True, 111) and q.r.zcard(k.files) == 4
+    q.r.zrem(k.files, calls.budget_member("a", 60))  # deleted: its room is free
+    assert reserve("e", 60, 111).ok and not reserve("f", 1, 111).ok
+
+
 # ---- limit (an API key's rate limits and usage) ----
 
 def test_limit(q, queue):
