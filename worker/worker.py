@@ -406,11 +406,10 @@ class Worker:
         q, self.quarantine = self.quarantine, None
         log.info("fault search over: %s convicted, %d jobs cleared", q.convicted or "none", len(q.cleared))
         if not q.convicted:
-            for job_id in list(q.cleared):
-                job = self.active[job_id]
+            for job in [self.active[j] for j in q.cleared if j in self.active]:
                 job.unexplained_faults += 1
                 if job.unexplained_faults >= self.cfg.max_attempts:
-                    self._drop(job_id)
+                    self._drop(job.id)
                     self.publisher.release(job, wire.RETRY, "engine_error",
                                            f"in {job.unexplained_faults} engine steps that failed with no cause found")
         self._unpark(list(self.parked))
