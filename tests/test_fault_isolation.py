@@ -57,6 +57,24 @@ def test_a_fault_fails_only_its_cause(redis_url, queue, rds, pq_tiny_model, star
     assert w.poll() is None, "the worker died"
 
 
+def test_a_fault_that_needs_company_ends_in_solo_runs(redis_url, queue, rds, pq_tiny_model, start_worker,
+                                                      pq_reference, pq_check_stream):
+    """Two jobs fail a step together and pass apart: no search convicts either. Each search counts against both;
+    at --max-attempts they go back to the queue as failed deliveries, and their last delivery runs alone (the
+    crash-loop rule): both complete, as the jobs beside them do."""
+    c = Client(redis_url, queue=queue)
+    reqs = make_requests(4, "pair", 16) + make_requests(4, "calm", 16)
+    jobs = c.submit_many(reqs)
+    w = start_worker(queue, pq_tiny_model, *FLAGS, "--max-attempts", "3", hooks={"fault-together": "pair-"})
+    results = [j.result(timeout=240) for j in jobs]
+    check_all(c, reqs, results, pq_reference, pq_check_stream)
+    log = log_of(w)
+    assert "convicted" in log and "the engine step fails on it alone" not in log, log[-3000:]
+    assert max(r.attempts for r in results if r.id.startswith("pair-")) == 3
+    assert all(r.attempts == 1 for r in results if r.id.startswith("calm-"))
+    assert w.poll() is None
+
+
 def test_a_step_that_fails_whatever_it_runs_stops_the_worker(redis_url, queue, rds, pq_tiny_model, start_worker):
     c = Client(redis_url, queue=queue)
     jobs = c.submit_many(make_requests(3, "dev", 8))

@@ -47,9 +47,15 @@ def test_two_culprits_are_both_found():
 
 
 def test_a_fault_that_needs_company_convicts_no_one():
-    # a and b fail only together: apart, every group passes.
+    # a and b fail only together: apart, every group passes; only they were in groups that failed.
     q, _ = search(["a", "b", "c", "d"], lambda group: {"a", "b"} <= set(group))
     assert q.convicted == [] and sorted(q.cleared) == ["a", "b", "c", "d"]
+    assert q.unexplained() == {"a", "b"}
+
+
+def test_failures_a_convicted_job_explains_count_against_no_one():
+    q, _ = search([f"j{i}" for i in range(8)], lambda group: "j5" in group)
+    assert q.convicted == ["j5"] and q.unexplained() == set()
 
 
 def test_a_group_passes_only_past_its_marks():

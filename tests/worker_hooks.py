@@ -9,6 +9,8 @@
 --step-delay-ms MS: each engine step takes MS longer (a slower model), so that a test can act mid-job.
 --fault-on MARK[:N]: an engine step raises while a request whose id holds MARK is in its batch (once that
                request has N output tokens, default 0): a fault one request causes, on every try.
+--fault-together MARK: an engine step raises while two requests or more whose ids hold MARK are in its batch:
+               a fault that needs company (each runs fine alone).
 --fault-every-step: every engine step raises, whatever it runs: a broken device.
 """
 
@@ -67,6 +69,19 @@ def fault_on(spec: str) -> None:
     ModelRunner.run = _run
 
 
+def fault_together(mark: str) -> None:
+    from engine.model_runner import ModelRunner
+
+    run = ModelRunner.run
+
+    def _run(self, batch, *args, **kwargs):
+        if len({s.request_id for s in batch.seqs if mark in s.request_id}) >= 2:
+            raise RuntimeError(f"injected fault (test hook): two {mark} requests in one step")
+        return run(self, batch, *args, **kwargs)
+
+    ModelRunner.run = _run
+
+
 def fault_every_step() -> None:
     from engine.model_runner import ModelRunner
 
@@ -92,6 +107,7 @@ if __name__ == "__main__":
     ap.add_argument("--crash")
     ap.add_argument("--step-delay-ms", type=float)
     ap.add_argument("--fault-on")
+    ap.add_argument("--fault-together")
     ap.add_argument("--fault-every-step", type=int, default=0)
     ap.add_argument("rest", nargs=argparse.REMAINDER)
     a = ap.parse_args()
@@ -103,6 +119,8 @@ if __name__ == "__main__":
         step_delay(a.step_delay_ms)
     if a.fault_on:
         fault_on(a.fault_on)
+    if a.fault_together:
+        fault_together(a.fault_together)
     if a.fault_every_step:
         fault_every_step()
     rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest

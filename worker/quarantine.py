@@ -30,6 +30,7 @@ class Quarantine:
         self.running: list[str] = []  # the group in the engine now, alone
         self.cleared: list[str] = []  # passed: parked until the search ends, then they run together again
         self.convicted: list[str] = []
+        self.failed_groups: list[list[str]] = []  # the groups whose steps failed again, in the search
 
     @property
     def suspects(self) -> list[str]:
@@ -45,6 +46,7 @@ class Quarantine:
         """The running group's step failed -> its job if it ran alone (the cause: convicted here), else None and the
         group is split to run in halves next. landed: where its jobs stood at this failure (a later mark)."""
         group, self.running = self.running, []
+        self.failed_groups.append(group)
         self.marks.update((job, max(self.marks.get(job, 0), n)) for job, n in landed.items() if job in group)
         if len(group) == 1:
             self.convicted.append(group[0])
@@ -64,6 +66,12 @@ class Quarantine:
         self.cleared += self.running
         self.running = []
         return True
+
+    def unexplained(self) -> set[str]:
+        """Jobs of the groups that failed again with none of the jobs convicted in them: a fault that needs
+        company (or comes and goes) was among them. The worker counts these against them."""
+        convicted = set(self.convicted)
+        return {job for group in self.failed_groups if not convicted & set(group) for job in group}
 
     def drop(self, jobs: Iterable[str]) -> None:
         """Jobs that left the worker meanwhile (ended, cancelled, expired, lease lost): no longer suspects."""

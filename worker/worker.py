@@ -400,18 +400,18 @@ class Worker:
                 return
 
     def _end_quarantine(self) -> None:
-        """Every group ran: the parked jobs run together again. A search that convicted no job found a fault that
-        needs company, or a passing one: each job in it counts one, and one that counts max_attempts goes back to
-        the queue as a failed delivery (so its last delivery runs alone)."""
+        """Every group ran: the parked jobs run together again. A job of a group that failed again with no job in
+        it convicted was near a fault that needs company: that counts against it, and a job that counts
+        max_attempts goes back to the queue as a failed delivery (so that its last delivery runs alone)."""
         q, self.quarantine = self.quarantine, None
         log.info("fault search over: %s convicted, %d jobs cleared", q.convicted or "none", len(q.cleared))
-        if not q.convicted:
-            for job in [self.active[j] for j in q.cleared if j in self.active]:
-                job.unexplained_faults += 1
-                if job.unexplained_faults >= self.cfg.max_attempts:
-                    self._drop(job.id)
-                    self.publisher.release(job, wire.RETRY, "engine_error",
-                                           f"in {job.unexplained_faults} engine steps that failed with no cause found")
+        for job in [self.active[j] for j in q.unexplained() if j in self.active]:
+            job.unexplained_faults += 1
+            if job.unexplained_faults >= self.cfg.max_attempts:
+                self._drop(job.id)
+                self.publisher.release(job, wire.RETRY, "engine_error",
+                                       f"in {job.unexplained_faults} fault searches whose failed steps it was in with "
+                                       f"no job to blame")
         self._unpark(list(self.parked))
 
     def _unpark(self, job_ids: list[str]) -> None:
