@@ -53,7 +53,7 @@ def batch_limit_options(f):
 
 # Options named otherwise than the ServeConfig field they set.
 _FIELDS = {"store_ttl": "store_ttl_s", "retry_after": "retry_after_s", "redis_wait": "redis_wait_s",
-           "redis_grace": "redis_grace_s"}
+           "redis_grace": "redis_grace_s", "constraint_check": "constraint_check_s"}
 
 
 def _serve_config(options: dict[str, Any]) -> ServeConfig:
@@ -98,6 +98,12 @@ def _serve_config(options: dict[str, Any]) -> ServeConfig:
               help="Seconds a command waits for a free pooled connection before its request gets 429")
 @click.option("--redis-grace", type=float, default=default_of(ServeConfig, "redis_grace_s"),
               help="Seconds waiting requests wait for an unreachable Redis to come back before they get 503")
+@click.option("--constraint-check", type=click.FloatRange(min=0, min_open=True),
+              default=default_of(ServeConfig, "constraint_check_s"),
+              help="Seconds a request's constraint (schema, regex, grammar) may take to check; longer: 400")
+@click.option("--constraint-threads", type=click.IntRange(min=1),
+              default=default_of(ServeConfig, "constraint_threads"),
+              help="Constraint checks each server process runs at once (off its event loop)")
 @click.option("--workers", type=int, default=1, help="HTTP server processes")
 @click.option("--log-level", envvar="PAGEDQ_LOG_LEVEL", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
 def serve(host: str, port: int, api_key_file: str | None, workers: int, log_level: str, **options: Any) -> None:

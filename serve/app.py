@@ -25,6 +25,7 @@ from monitor.dashboard import create_app as dashboard_app
 from producer import flows
 from serve import auth, progress, routes
 from serve.batch_lease import Holder
+from serve.checks import Checks
 from serve.config import ServeConfig
 from serve.errors import APIError, bad_request
 from serve.metrics import CountRequests, ServeMetrics
@@ -41,6 +42,7 @@ def create_app(config: ServeConfig | None = None) -> FastAPI:
         logging.basicConfig(level=config.log_level, format=config.log_format or logging.BASIC_FORMAT)
     metrics = ServeMetrics()
     tenants = Tenants(config, metrics)
+    checks = Checks(config, metrics)
     state: dict = {}
 
     @contextlib.asynccontextmanager
@@ -60,6 +62,7 @@ def create_app(config: ServeConfig | None = None) -> FastAPI:
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
             await queues.close()
+            checks.close()
 
     def queues() -> Queues:
         return state["queues"]
@@ -80,7 +83,7 @@ def create_app(config: ServeConfig | None = None) -> FastAPI:
     v1 = [Depends(authorized), Depends(limited)]
     app.include_router(routes.model_routes(config, queues), dependencies=v1)
     # A completion is admitted once its body is read: its charge against the tokens per minute depends on it.
-    app.include_router(routes.completion_routes(queues, tenants), dependencies=[Depends(authorized)])
+    app.include_router(routes.completion_routes(queues, tenants, checks), dependencies=[Depends(authorized)])
     app.include_router(routes.file_routes(config, queues, tenants), dependencies=v1)
     app.include_router(routes.batch_routes(config, queues, metrics, tenants), dependencies=v1)
     app.add_middleware(CountRequests, metrics=metrics)

@@ -1,5 +1,10 @@
 """POST /v1/chat/completions and /v1/completions: each request is one queue job, answered whole or streamed.
 
+Cheap checks come first, so that a request refused costs little whatever it holds: the key (serve.auth) before the
+handler runs, then the body parsed and held to the client's limits, then the process's and the key's admission
+(open requests, the queue's depth, the key's rates and cap on jobs), and only then its constraint compiled, off
+the event loop (serve.checks), and its job submitted.
+
 A request waits on its job through the process's event reader (serve.events), holding no Redis connection; a
 process answers at most max_open_requests of them at once (429 with Retry-After past it).
 
@@ -23,8 +28,9 @@ from producer.protocol import JobResult, StreamEvent
 from serve import responses, tenancy
 from serve.api_keys import ApiKey
 from serve.auth import key_of
+from serve.checks import Checks
 from serve.disconnect import EventStream, unless_gone
-from serve.errors import bad_request, from_result
+from serve.errors import APIError, bad_request, from_result
 from serve.events import Subscription
 from serve.queues import Queues, redis_refusal
 from serve.tenancy import Ticket
@@ -37,20 +43,24 @@ IDEMPOTENCY_HEADER = "idempotency-key"
 CLIENT_CLOSED = 499
 
 
-async def handle(kind: Kind, request: Request, queues: Queues, tenants: Tenants) -> Response:
+async def handle(kind: Kind, request: Request, queues: Queues, tenants: Tenants, checks: Checks) -> Response:
     try:
         body = await request.json()
     except ValueError:
         raise bad_request("the request body is not valid JSON") from None
     key = key_of(request)
     idem = request.headers.get(IDEMPOTENCY_HEADER)
-    p = parse(kind, body, tenancy.job_id(key, idem), queues.config.default_max_tokens)
+    p = parse(kind, body, tenancy.job_id(key, idem), queues.config.default_max_tokens, check=False)
     client = queues.for_model(p.model)
+    try:
+        client.limits.check(p.request)  # the client's size limits, the same the workers enforce by default
+    except ValueError as e:
+        raise bad_request(str(e), code="limit_exceeded") from None
     queues.admit()
     sub: Subscription | None = None
     handed_off = False
     try:
-        ticket, fresh = await _submit(client, queues, tenants, key, p, idem is not None)
+        ticket, fresh = await _submit(client, queues, tenants, checks, key, p, idem is not None)
         sub = await queues.events.subscribe(client.keys, p.request.id, fresh)
 
         async def cancel() -> None:
@@ -84,8 +94,8 @@ def _end(queues: Queues, sub: Subscription | None) -> None:
     queues.release()
 
 
-async def _submit(client: AsyncClient, queues: Queues, tenants: Tenants, key: ApiKey | None, p: Parsed,
-                  keyed: bool) -> tuple[Ticket | None, bool]:
+async def _submit(client: AsyncClient, queues: Queues, tenants: Tenants, checks: Checks, key: ApiKey | None,
+                  p: Parsed, keyed: bool) -> tuple[Ticket | None, bool]:
     """Submit the request's job, or find the job of the request it retries (keyed: it has an Idempotency-Key).
     With API keys: the key's rate limits admit it first, then its cap on jobs holds it. Returns what settling
     the job will need (None: nothing to settle here, it retried another request's job), and whether this request
@@ -94,20 +104,23 @@ async def _submit(client: AsyncClient, queues: Queues, tenants: Tenants, key: Ap
         try:
             await client.status(p.request.id)
             await tenants.admit(key)
-            return None, False  # a retry: the job exists, whatever the queue's depth now
+            return None, False  # a retry: the job exists, whatever the queue's depth now (and its constraint ok)
         except JobNotFound:
             pass
     await queues.check_depth(client)
-    try:
-        client.limits.check(p.request)  # the client's size limits, the same the workers enforce by default
-    except ValueError as e:
-        raise bad_request(str(e), code="limit_exceeded") from None
+    charged = tenancy.estimate(p.request) if key is not None else 0
+    await tenants.admit(key, charged)
+    if p.request.constraint is not None:  # costly: only for a request that would be queued otherwise
+        try:
+            await tenants.room(client.keys, key)
+            await checks.check(p.request.constraint, p.constraint_param)
+        except APIError:
+            await tenants.refund(key, charged)
+            raise
     try:
         if key is None:
             await queues.submit(client, p.request)
             return None, True
-        charged = tenancy.estimate(p.request)
-        await tenants.admit(key, charged)
         return await tenants.submit(client.keys, p.request, key, charged), True
     except DuplicateJobError:
         if not keyed:  # a random id that exists: not a retry, so not this request's job

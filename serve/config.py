@@ -37,6 +37,10 @@ class ServeConfig(BaseModel):
     redis_grace_s: float = 5.0  # how long waiting requests wait for Redis to come back before their 503
     default_max_tokens: int | None = None  # None: JobRequest's default
     max_file_bytes: int = 100 * 2**20
+    # A request's constraint is compiled off the event loop (serve.checks), this many at once, each within
+    # constraint_check_s (a 400 past it).
+    constraint_check_s: float = 5.0
+    constraint_threads: int = 2
     store_ttl_s: int = STORE_TTL_S
     batch_priority: int = 10  # batch jobs run after interactive ones (lower runs first)
     sweep_interval_s: float = 1.0  # how often each process advances unfinished batches

@@ -27,7 +27,8 @@ class ServeMetrics:
                                       registry=reg)
         self.refused = pc.Counter("pagedq_serve_refused",
                                   "Completion requests refused before their job was queued, by reason: "
-                                  "open_requests, queue_full, redis_busy (429), redis_unavailable (503)",
+                                  "open_requests, queue_full, redis_busy, constraint_busy (429), "
+                                  "redis_unavailable (503)",
                                   ["reason"], registry=reg)
         self.reader_waiters = pc.Gauge("pagedq_serve_reader_waiters",
                                        "Requests waiting on each event reader (serve.events)", ["reader"],
@@ -36,6 +37,12 @@ class ServeMetrics:
                                          "One XREAD round of each event reader: until an event comes, a new "
                                          "request wakes it, or its block ends", ["reader"], registry=reg,
                                          buckets=(.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5))
+        self.constraint_checks = pc.Counter("pagedq_serve_constraint_checks",
+                                            "Constraints compiled to check them (a verdict remembered from an "
+                                            "earlier request compiles nothing)", registry=reg)
+        self.constraint_timeouts = pc.Counter("pagedq_serve_constraint_check_timeouts",
+                                              "Constraint checks that ran past --constraint-check (refused, 400)",
+                                              registry=reg)
         self.batches = pc.Counter("pagedq_serve_batches_created", "Batches created", registry=reg)
         self.batches_held = pc.Gauge("pagedq_serve_batches_held",
                                      "Unfinished batches this process moves on (holds the sweeper lease of)",

@@ -122,11 +122,27 @@ def submit(keys: Keys, req: JobRequest, key: ApiKey, limits: Limits, charged: in
     if isinstance(out, Exception):
         yield from refund(key, limits, charged)
         if isinstance(out, OwnerFull):
-            raise APIError(429, f"key {key.name} has {limits.max_jobs} jobs queued or running on queue "
-                           f"{keys.queue}, its limit; retry when one has ended", "rate_limit_exceeded",
-                           code="key_queue_full", headers={"Retry-After": str(retry_after_s)})
+            raise _full(keys, key, limits, retry_after_s)
         raise out
     return Ticket(key, limits, keys, req.id, charged)
+
+
+def _full(keys: Keys, key: ApiKey, limits: Limits, retry_after_s: int) -> APIError:
+    return APIError(429, f"key {key.name} has {limits.max_jobs} jobs queued or running on queue {keys.queue}, its "
+                    "limit; retry when one has ended", "rate_limit_exceeded", code="key_queue_full",
+                    headers={"Retry-After": str(retry_after_s)})
+
+
+def room(keys: Keys, key: ApiKey, limits: Limits, retry_after_s: int, tally: Tally | None = None) -> Flow:
+    """Raise the 429 of a key that has its cap of jobs on the queue (once those that ended unseen are settled).
+    A look before anything costly is done for the request; `submit` holds the cap again, atomically."""
+    if not limits.max_jobs:
+        return
+    held = yield Cmd("zcard", (keys.owner_jobs(key.id),))
+    if held >= limits.max_jobs:
+        held -= yield from prune(keys, key.id, limits, tally)
+    if held >= limits.max_jobs:
+        raise _full(keys, key, limits, retry_after_s)
 
 
 def refund(key: ApiKey, limits: Limits, tokens: int) -> Flow:

@@ -90,6 +90,25 @@ class Tenants:
         except APIError as e:
             raise self._refused(key, e) from None
 
+    async def room(self, keys: Keys, key: ApiKey | None) -> None:
+        """A 429 when the key has its cap of jobs on the queue already (nothing without keys)."""
+        if key is None:
+            return
+        try:
+            await self._run(tenancy.room(keys, key, self.limits(key), self.config.retry_after_s, self.tally))
+        except APIError as e:
+            raise self._refused(key, e) from None
+
+    async def refund(self, key: ApiKey | None, tokens: int) -> None:
+        """Give back the charge of a request refused after its admission. Never raises: the refusal is the answer
+        (a charge not given back refills with the bucket)."""
+        if key is None:
+            return
+        try:
+            await self._run(tenancy.refund(key, self.limits(key), tokens))
+        except Exception:
+            log.warning("giving back %d tokens to key %s failed", tokens, key.name, exc_info=True)
+
     async def submit(self, keys: Keys, req: JobRequest, key: ApiKey, charged: int) -> Ticket:
         """Submit an admitted request's job as the key's, within its cap."""
         try:

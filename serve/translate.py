@@ -5,24 +5,19 @@ something else silently.
 `response_format` (text, json_object, json_schema) and vLLM's `guided_json`, `guided_regex`, `guided_choice` and
 `guided_grammar` constrain the output; `tools` with a forced `tool_choice` too (serve.tools). A constraint the
 grammar engine refuses (an invalid schema or regex, a grammar error) is a 400 naming the problem, before any job
-is queued.
+is queued (serve.constraints: `parse` checks it, unless its caller checks it later, off the event loop).
 
-A field sent as null counts as absent (the SDKs and many apps send nulls). Beyond OpenAI's fields, vLLM's
-sampling extensions that the engine has are accepted too (`top_k`, `min_p`, `repetition_penalty`,
-`ignore_eos`, `stop_token_ids`, and on both endpoints `best_of` and beam search: `use_beam_search`,
-`length_penalty`, `early_stopping`, the width being `best_of` or else `n`), and `priority`.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import ValidationError
 
 from producer.protocol import JobRequest
+from serve import constraints
 from serve.errors import APIError, bad_request, unsupported
 from serve.tools import ToolCalls, parse_tools
 
@@ -64,10 +59,13 @@ class Parsed:
     include_usage: bool = False
     logprobs: bool = False
     tools: ToolCalls | None = None  # the output is a forced tool call
+    constraint_param: str | None = None  # the field the request's constraint came from, named in its 400
 
 
-def parse(kind: Kind, body: Any, job_id: str | None = None, default_max_tokens: int | None = None) -> Parsed:
-    """Raise APIError (400) naming the first field that is wrong or unsupported."""
+def parse(kind: Kind, body: Any, job_id: str | None = None, default_max_tokens: int | None = None,
+          check: bool = True) -> Parsed:
+    """Raise APIError (400) naming the first field that is wrong or unsupported. `check`: compile the constraint
+    now (False: the caller checks it later, serve.constraints.Checks)."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     body = {k: v for k, v in body.items() if v is not None}
@@ -127,37 +125,12 @@ def parse(kind: Kind, body: Any, job_id: str | None = None, default_max_tokens: 
         loc = str(err["loc"][0]) if err["loc"] else None
         param = max_param if loc == "max_tokens" else loc
         raise bad_request(f"{param or 'request'}: {err['msg']}", param) from None
-    _check_constraint(req, body, tools)
-    return Parsed(kind, model, req, stream, bool(options.get("include_usage")), logprobs is not None, tools)
-
-
-def _check_constraint(req: JobRequest, body: dict, tools: ToolCalls | None) -> None:
-    """A 400 naming what the grammar engine finds wrong with the request's constraint (compiled without the
-    model's tokenizer: the worker compiles it again, and fails the job should that find more)."""
-    if req.constraint is None:
-        return
-    param = "tools" if tools is not None else next(n for n in ("response_format", *CONSTRAINTS) if n in body)
-    kind, spec = req.constraint
-    problem = _problem(kind, json.dumps(spec, sort_keys=True))
-    if problem:
-        raise bad_request(f"{param}: invalid {kind} constraint: {problem}", param, "invalid_constraint")
-
-
-@functools.lru_cache(maxsize=256)
-def _problem(kind: str, spec_json: str) -> str:
-    """The grammar engine's objection to a constraint ("" if none), by its JSON text: the many requests that share a
-    schema check it once."""
-    try:
-        from llguidance import LLMatcher, grammar_from
-    except ImportError:  # the grammar engine is the worker's: a front without it leaves the check to the worker
-        return ""
-    spec = json.loads(spec_json)
-    try:  # the engine's grammars (engine.constraints) differ only in options that cannot make one invalid
-        grammar = grammar_from("json_schema" if kind == "json_object" else kind,
-                               {"type": "object"} if kind == "json_object" else spec)
-        return LLMatcher.validate_grammar(grammar).strip()
-    except (ValueError, TypeError) as e:
-        return str(e)
+    param = None
+    if req.constraint is not None:
+        param = "tools" if tools is not None else next(n for n in ("response_format", *CONSTRAINTS) if n in body)
+        if check:
+            constraints.check_now(req.constraint, param)
+    return Parsed(kind, model, req, stream, bool(options.get("include_usage")), logprobs is not None, tools, param)
 
 
 def _check_neutral(kind: Kind, body: dict) -> None:

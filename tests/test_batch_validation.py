@@ -12,7 +12,7 @@ import redis
 
 from producer import flows
 from producer.keys import BatchKeys
-from serve import batch_intake, batch_lines, batches, files, translate
+from serve import batch_intake, batch_lines, batches, constraints, files, translate
 from serve.config import ServeConfig
 
 WORKER_FLAGS = ("--max-num-seqs", "8", "--num-kv-blocks", "256", "--max-model-len", "512",
@@ -69,14 +69,14 @@ def test_a_line_nested_too_deep_is_an_error_line():
 
 
 def test_a_constraint_that_takes_too_long_to_check_fails_its_line_only(monkeypatch):
-    checked = translate._problem
+    checked = constraints.problem
 
-    def slow(kind: str, spec_json: str) -> str:
-        if "slow" in spec_json:
+    def slow(kind: str, spec: object) -> str:
+        if "slow" in json.dumps(spec):
             time.sleep(1)
-        return checked(kind, spec_json)
+        return checked(kind, spec)
 
-    monkeypatch.setattr(translate, "_problem", slow)
+    monkeypatch.setattr(constraints, "problem", slow)
     monkeypatch.setattr(batch_lines, "CONSTRAINT_BUDGET_S", 0.2)
     reader = batch_lines.LineReader("batch_x", translate.CHAT, ServeConfig(), 60)
     lines = [line("slow", guided_regex="slow[a-z]+"), line("quick", guided_regex="[0-9]+"), line("plain")]
