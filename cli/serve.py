@@ -98,6 +98,8 @@ def _serve_config(options: dict[str, Any]) -> ServeConfig:
               help="Seconds a command waits for a free pooled connection before its request gets 429")
 @click.option("--redis-grace", type=float, default=default_of(ServeConfig, "redis_grace_s"),
               help="Seconds waiting requests wait for an unreachable Redis to come back before they get 503")
+@click.option("--max-body-bytes", type=click.IntRange(min=1), default=default_of(ServeConfig, "max_body_bytes"),
+              help="Largest request body, counted as it arrives (413 past it); /v1/files takes --max-file-bytes")
 @click.option("--constraint-check", type=click.FloatRange(min=0, min_open=True),
               default=default_of(ServeConfig, "constraint_check_s"),
               help="Seconds a request's constraint (schema, regex, grammar) may take to check; longer: 400")

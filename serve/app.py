@@ -25,6 +25,7 @@ from monitor.dashboard import create_app as dashboard_app
 from producer import flows
 from serve import auth, progress, routes
 from serve.batch_lease import Holder
+from serve.body_limit import BodyLimit
 from serve.checks import Checks
 from serve.config import ServeConfig
 from serve.errors import APIError, bad_request
@@ -86,7 +87,8 @@ def create_app(config: ServeConfig | None = None) -> FastAPI:
     app.include_router(routes.completion_routes(queues, tenants, checks), dependencies=[Depends(authorized)])
     app.include_router(routes.file_routes(config, queues, tenants), dependencies=v1)
     app.include_router(routes.batch_routes(config, queues, metrics, tenants), dependencies=v1)
-    app.add_middleware(CountRequests, metrics=metrics)
+    app.add_middleware(BodyLimit, config=config)
+    app.add_middleware(CountRequests, metrics=metrics)  # the outer one: it counts what BodyLimit refuses too
     return app
 
 

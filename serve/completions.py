@@ -1,9 +1,9 @@
 """POST /v1/chat/completions and /v1/completions: each request is one queue job, answered whole or streamed.
 
-Cheap checks come first, so that a request refused costs little whatever it holds: the key (serve.auth) before the
-handler runs, then the body parsed and held to the client's limits, then the process's and the key's admission
-(open requests, the queue's depth, the key's rates and cap on jobs), and only then its constraint compiled, off
-the event loop (serve.checks), and its job submitted.
+Cheap checks come first, so that a request refused costs little whatever it holds: the key (serve.auth) and the
+body's size (serve.body_limit) before the handler runs, then the body parsed and held to the client's limits, then
+the process's and the key's admission (open requests, the queue's depth, the key's rates and cap on jobs), and only
+then its constraint compiled, off the event loop (serve.checks), and its job submitted.
 
 A request waits on its job through the process's event reader (serve.events), holding no Redis connection; a
 process answers at most max_open_requests of them at once (429 with Retry-After past it).

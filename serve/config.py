@@ -36,6 +36,8 @@ class ServeConfig(BaseModel):
     redis_wait_s: float = 10.0  # how long a command waits for a free pooled connection (past it: 429, busy)
     redis_grace_s: float = 5.0  # how long waiting requests wait for Redis to come back before their 503
     default_max_tokens: int | None = None  # None: JobRequest's default
+    # A request's body, counted as it streams in (413 past it): /v1/files takes max_file_bytes instead.
+    max_body_bytes: int = 16 * 2**20
     max_file_bytes: int = 100 * 2**20
     # A request's constraint is compiled off the event loop (serve.checks), this many at once, each within
     # constraint_check_s (a 400 past it).
