@@ -106,6 +106,12 @@ def _serve_config(options: dict[str, Any]) -> ServeConfig:
 @click.option("--constraint-threads", type=click.IntRange(min=1),
               default=default_of(ServeConfig, "constraint_threads"),
               help="Constraint checks each server process runs at once (off its event loop)")
+@click.option("--stream-buffer-events", type=click.IntRange(min=1),
+              default=default_of(ServeConfig, "stream_buffer_events"),
+              help="Events a stream may hold for a client that does not read before it is dropped")
+@click.option("--stream-buffer-bytes", type=click.IntRange(min=1),
+              default=default_of(ServeConfig, "stream_buffer_bytes"),
+              help="Bytes of events a stream may hold for a client that does not read before it is dropped")
 @click.option("--workers", type=int, default=1, help="HTTP server processes")
 @click.option("--log-level", envvar="PAGEDQ_LOG_LEVEL", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
 def serve(host: str, port: int, api_key_file: str | None, workers: int, log_level: str, **options: Any) -> None:

@@ -6,7 +6,8 @@ the process's and the key's admission (open requests, the queue's depth, the key
 then its constraint compiled, off the event loop (serve.checks), and its job submitted.
 
 A request waits on its job through the process's event reader (serve.events), holding no Redis connection; a
-process answers at most max_open_requests of them at once (429 with Retry-After past it).
+process answers at most max_open_requests of them at once (429 with Retry-After past it). A streamed request whose
+client does not read is dropped once its job's events pile up past their bound: as if the client had left.
 
 A retried POST with the same Idempotency-Key finds the job of the first one and follows it (with API keys, the
 same key's: each key's Idempotency-Keys are its own). A client that disconnects before the answer is whole
@@ -61,7 +62,7 @@ async def handle(kind: Kind, request: Request, queues: Queues, tenants: Tenants,
     handed_off = False
     try:
         ticket, fresh = await _submit(client, queues, tenants, checks, key, p, idem is not None)
-        sub = await queues.events.subscribe(client.keys, p.request.id, fresh)
+        sub = await queues.events.subscribe(client.keys, p.request.id, fresh, bounded=p.stream)
 
         async def cancel() -> None:
             if idem is None:
@@ -139,7 +140,8 @@ async def _stream(request: Request, queues: Queues, sub: Subscription, p: Parsed
     if first.terminal and first.type != "done":
         await settle(first.result)
         raise from_result(first.result)
-    return EventStream(_chunks(queues, p, first, sub, settle), cancel, on_close=lambda: _end(queues, sub))
+    return EventStream(_chunks(queues, p, first, sub, settle), cancel, on_close=lambda: _end(queues, sub),
+                       cut=sub.dropped)
 
 
 async def _chunks(queues: Queues, p: Parsed, first: StreamEvent, sub: Subscription,

@@ -43,6 +43,9 @@ class ServeConfig(BaseModel):
     # constraint_check_s (a 400 past it).
     constraint_check_s: float = 5.0
     constraint_threads: int = 2
+    # A stream whose client does not read is dropped once this many of its job's events (or bytes) wait for it.
+    stream_buffer_events: int = 4096
+    stream_buffer_bytes: int = 2**20
     store_ttl_s: int = STORE_TTL_S
     batch_priority: int = 10  # batch jobs run after interactive ones (lower runs first)
     sweep_interval_s: float = 1.0  # how often each process advances unfinished batches

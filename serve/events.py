@@ -11,6 +11,10 @@ On a plain Redis one reader serves every queue. On a Redis Cluster a command's k
 otherwise) and all keys of a queue sit in the queue's slot: one reader per slot, on a connection to the node that
 serves it (found again after any error, so a moved slot is followed).
 
+A streamed request's subscription is bounded (Bound): a client that does not read leaves its job's events piling
+up in it, and past the bound it is dropped, its memory freed at once; its stream ends as if the client had left
+(serve.disconnect), and the job goes on as it would then.
+
 When Redis goes away, a reader reconnects with backoff and resumes from its last ids (the events are durable); after
 `grace_s` without Redis it fails every subscription it serves with the connection's error (serve answers 503, naming
 Redis), and serves new ones as soon as Redis answers again.
@@ -23,12 +27,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis as redis_lib
 from redis.asyncio.connection import AbstractConnection
 
-from producer import flows
+from producer import flows, wire
 from producer.connection import is_cluster
 from producer.keys import Keys
 from producer.protocol import JobResult, StreamEvent
@@ -43,42 +47,87 @@ RECONNECT_S = (0.05, 1.0)  # first and longest pause between a reader's attempts
 UNBLOCK_RETRY_S = 0.002  # an UNBLOCK that found the XREAD not yet blocking is sent again after this pause
 
 
+class Bound(NamedTuple):
+    """The most of its job's events a subscription holds for its request: past either, it is dropped."""
+
+    events: int
+    bytes: int  # of the events' JSON as read
+
+
+class Dropped(Exception):
+    """The subscription's request let its job's events pile up past their bound."""
+
+
 class Subscription:
     """One request's view of one job's events: the reader fills its queue, the request reads it."""
 
-    def __init__(self, reader: Reader, key: str, after: str | None) -> None:
+    def __init__(self, reader: Reader, key: str, after: str | None, bound: Bound | None = None) -> None:
         self.reader = reader
         self.key = key
         self.after = after  # deliver only entries after this id (None: every entry read for the stream)
-        self.queue: asyncio.Queue[StreamEvent | BaseException] = asyncio.Queue()
+        self.bound = bound
+        self.queue: asyncio.Queue[tuple[StreamEvent, int] | BaseException] = asyncio.Queue()
+        self.held = 0  # bytes of the events in the queue
         self.backlog: list[StreamEvent] = []  # events read before the reader's, when the stream was followed
         self.error: BaseException | None = None  # met by ready(), raised by the next next()
         self.closed = False
+        self.dropped = asyncio.Event()  # set when its request fell behind its bound (serve.disconnect ends it)
+        self.took = True  # its request took events since the reader's last round (or had no chance to yet)
+
+    def _take(self, item: tuple[StreamEvent, int] | BaseException) -> StreamEvent:
+        self.took = True
+        if isinstance(item, BaseException):
+            raise item
+        ev, size = item
+        self.held -= size
+        return ev
 
     async def next(self) -> StreamEvent:
-        """The job's next event (the last is terminal); raises the Redis error that ended the reader's wait."""
+        """The job's next event (the last is terminal); raises the Redis error that ended the reader's wait, or
+        Dropped."""
         if self.backlog:
             return self.backlog.pop(0)
         if self.error is not None:
             raise self.error
         if self.closed:
             raise RuntimeError(f"{self.key}: no more events")
-        item = await self.queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        return self._take(await self.queue.get())
 
     def ready(self) -> list[StreamEvent]:
         """The events that came already, without waiting: a stream writes them in one go (one write, not one
         per token, when a busy server falls behind its readers)."""
         out, self.backlog = self.backlog, []
         while self.error is None and not self.queue.empty():
-            item = self.queue.get_nowait()
-            if isinstance(item, BaseException):
-                self.error = item
-            else:
-                out.append(item)
+            try:
+                out.append(self._take(self.queue.get_nowait()))
+            except BaseException as e:
+                self.error = e
         return out
+
+    def put(self, events: list[tuple[StreamEvent, int]]) -> None:
+        """The reader hands on a round's events of the stream (each with its bytes as read). Past its bound, a
+        subscription whose request did not read since the previous round is dropped: a request that reads keeps
+        up whatever one round brings (up to READ_COUNT events), so it holds at most its bound and one round."""
+        for ev, size in events:
+            if self.after is None or flows.later(ev.event_id, self.after):
+                self.queue.put_nowait((ev, size))
+                self.held += size
+        bound = self.bound
+        if bound is not None and not self.took and (self.queue.qsize() > bound.events or self.held > bound.bytes):
+            self._drop()
+        self.took = False
+
+    def _drop(self) -> None:
+        log.warning("dropped a stream of %s: its client did not read (%d events, %d bytes waited for it)",
+                    self.key, self.queue.qsize(), self.held)
+        self.error = Dropped(f"{self.key}: the client fell {self.queue.qsize()} events behind")
+        while not self.queue.empty():  # what it held is freed now, not when its request ends
+            self.queue.get_nowait()
+        self.queue.put_nowait(self.error)  # wakes a request waiting on next()
+        self.held = 0
+        self.close()
+        self.dropped.set()
+        self.reader.metrics.stream_drops.inc()
 
     async def result(self) -> JobResult:
         """The job's result: its events read up to the terminal one."""
@@ -135,7 +184,7 @@ class Reader:
 
     # ---- subscriptions -----------------------------------------------------------------------------------------
 
-    def add(self, key: str, after: str) -> tuple[Subscription, str | None]:
+    def add(self, key: str, after: str, bound: Bound | None = None) -> tuple[Subscription, str | None]:
         """Subscribe to stream `key` after entry `after` ("0-0": from its start). Returns the subscription and,
         when the stream is already read past `after` for someone else, the id up to which the caller must read
         the stream itself (the reader delivers what comes after it); else None."""
@@ -143,10 +192,10 @@ class Reader:
         catch_up = None
         if followed is None:
             followed = self.streams[key] = _Followed(after)
-            sub = Subscription(self, key, None)
+            sub = Subscription(self, key, None, bound)
             self._changed()
         else:
-            sub = Subscription(self, key, after)
+            sub = Subscription(self, key, after, bound)
             if flows.later(followed.last, after):
                 catch_up = followed.last
                 sub.after = followed.last  # what the reader hands on from now on comes after that
@@ -279,13 +328,12 @@ class Reader:
             events = []
             for entry_id, fields in entries:
                 try:
-                    events.append(flows.parse_event(entry_id, dict(zip(fields[::2], fields[1::2]))))
+                    data = dict(zip(fields[::2], fields[1::2]))
+                    events.append((flows.parse_event(entry_id, data), len(data[wire.EVENT_FIELD])))
                 except (ValueError, KeyError, TypeError):
                     log.warning("stream %s: entry %s is no event (%s)", key, entry_id, fields)
-            for sub in followed.subs:
-                for ev in events:
-                    if sub.after is None or flows.later(ev.event_id, sub.after):
-                        sub.queue.put_nowait(ev)
+            for sub in list(followed.subs):  # a subscription may be dropped on the way
+                sub.put(events)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -298,11 +346,13 @@ class Reader:
 class EventReaders:
     """The readers of one serve process: one on a plain Redis, one per followed slot on a cluster."""
 
-    def __init__(self, redis: Any, metrics: ServeMetrics, grace_s: float, block_ms: int = BLOCK_MS) -> None:
+    def __init__(self, redis: Any, metrics: ServeMetrics, grace_s: float, block_ms: int = BLOCK_MS,
+                 bound: Bound | None = None) -> None:
         self.redis = redis  # the process's client (pool): short commands, and where the readers' settings come from
         self.metrics = metrics
         self.grace_s = grace_s
         self.block_ms = block_ms
+        self.bound = bound  # of a bounded subscription's queue
         self.cluster = is_cluster(redis)
         self._readers: dict[int | None, Reader] = {}
         # The cluster client's slot map is one for all readers: relearning it from several at once shares its
@@ -346,10 +396,12 @@ class EventReaders:
 
         return connect
 
-    async def subscribe(self, keys: Keys, job_id: str, fresh: bool = False, after: str = "0-0") -> Subscription:
+    async def subscribe(self, keys: Keys, job_id: str, fresh: bool = False, after: str = "0-0",
+                        bounded: bool = False) -> Subscription:
         """Follow job `job_id`'s events after entry `after` (from the start by default). `fresh`: the job was
         just submitted, so its stream needs no look first; otherwise a job whose events expired answers with its
-        stored result, and JobNotFound is raised for no such job."""
+        stored result, and JobNotFound is raised for no such job. `bounded`: its queue holds at most the
+        readers' bound (a stream's, whose client may stop reading; a whole answer's request reads as they come)."""
         key = keys.events(job_id)
         start: str | StreamEvent | None = after
         if not fresh:
@@ -360,7 +412,7 @@ class EventReaders:
             sub.closed = True
             sub.backlog = [start] if start is not None else []
             return sub
-        sub, catch_up = reader.add(key, start)
+        sub, catch_up = reader.add(key, start, self.bound if bounded else None)
         if catch_up is not None:
             try:
                 low = "-" if start == "0-0" else f"({start}"

@@ -43,6 +43,10 @@ class ServeMetrics:
         self.constraint_timeouts = pc.Counter("pagedq_serve_constraint_check_timeouts",
                                               "Constraint checks that ran past --constraint-check (refused, 400)",
                                               registry=reg)
+        self.stream_drops = pc.Counter("pagedq_serve_stream_drops",
+                                       "Streams dropped because their client did not read: more of the job's "
+                                       "events waited than --stream-buffer-events or --stream-buffer-bytes",
+                                       registry=reg)
         self.batches = pc.Counter("pagedq_serve_batches_created", "Batches created", registry=reg)
         self.batches_held = pc.Gauge("pagedq_serve_batches_held",
                                      "Unfinished batches this process moves on (holds the sweeper lease of)",

@@ -29,7 +29,7 @@ from producer.connection import (
 from producer.protocol import JobRequest
 from serve.config import ServeConfig
 from serve.errors import APIError
-from serve.events import EventReaders
+from serve.events import Bound, EventReaders
 from serve.metrics import ServeMetrics
 from serve.submits import Submits
 
@@ -116,7 +116,8 @@ class Queues:
         self.config = config
         self.metrics = metrics
         self.redis = connect_pool(config)
-        self.events = EventReaders(self.redis, metrics, config.redis_grace_s)
+        self.events = EventReaders(self.redis, metrics, config.redis_grace_s,
+                                   bound=Bound(config.stream_buffer_events, config.stream_buffer_bytes))
         self._clients: dict[str, AsyncClient] = {}
         self._submits: dict[str, Submits] = {}
         self.open = 0  # completion requests admitted and not yet answered
