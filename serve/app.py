@@ -19,7 +19,6 @@ import redis as redis_lib
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
-from starlette.responses import JSONResponse
 
 from monitor.dashboard import create_app as dashboard_app
 from producer import flows
@@ -29,6 +28,7 @@ from serve.body_limit import BodyLimit
 from serve.checks import Checks
 from serve.config import ServeConfig
 from serve.errors import APIError, bad_request
+from serve.json_response import JSON
 from serve.metrics import CountRequests, ServeMetrics
 from serve.queues import Queues, redis_refusal
 from serve.tenants import Tenants
@@ -74,7 +74,8 @@ def create_app(config: ServeConfig | None = None) -> FastAPI:
     async def limited(request: Request) -> None:
         await tenants.admit(auth.key_of(request))
 
-    app = FastAPI(title="pagedq", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="pagedq", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  default_response_class=JSON)
     _answer_errors_as_openai(app, config, metrics)
     if not tenants.enabled:
         # The dashboard submits jobs without a bearer token (a browser form): only where the API has no keys
@@ -107,30 +108,30 @@ def _answer_errors_as_openai(app: FastAPI, config: ServeConfig, metrics: ServeMe
     """Every error in OpenAI's shape (serve.errors), so that the SDKs raise their usual exceptions."""
 
     @app.exception_handler(APIError)
-    async def api_error(request: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), e.status, headers=e.headers)
+    async def api_error(request: Request, e: APIError) -> JSON:
+        return JSON(e.body(), e.status, headers=e.headers)
 
     @app.exception_handler(HTTPException)
-    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
-        return JSONResponse(APIError(e.status_code, str(e.detail), code=str(e.status_code)).body(), e.status_code)
+    async def http_error(request: Request, e: HTTPException) -> JSON:
+        return JSON(APIError(e.status_code, str(e.detail), code=str(e.status_code)).body(), e.status_code)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+    async def invalid(request: Request, e: RequestValidationError) -> JSON:
         err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
         param = ".".join(str(x) for x in err["loc"][1:]) or None
-        return JSONResponse(bad_request(f"{param}: {err['msg']}", param).body(), 400)
+        return JSON(bad_request(f"{param}: {err['msg']}", param).body(), 400)
 
     @app.exception_handler(redis_lib.RedisError)
-    async def redis_down(request: Request, e: redis_lib.RedisError) -> JSONResponse:
+    async def redis_down(request: Request, e: redis_lib.RedisError) -> JSON:
         err = redis_refusal(e, config, metrics)
         if err.status == 503:
             log.warning("redis error: %s", e)
-        return JSONResponse(err.body(), err.status, headers=err.headers)
+        return JSON(err.body(), err.status, headers=err.headers)
 
     @app.exception_handler(Exception)
-    async def crashed(request: Request, e: Exception) -> JSONResponse:
+    async def crashed(request: Request, e: Exception) -> JSON:
         log.exception("%s %s failed", request.method, request.url.path)
-        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}", "server_error").body(), 500)
+        return JSON(APIError(500, f"internal error: {type(e).__name__}", "server_error").body(), 500)
 
 
 async def _sweep(queues: Queues, tenants: Tenants, metrics: ServeMetrics, interval: float) -> None:

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import redis as redis_lib
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from producer import AsyncClient, DuplicateJobError, JobNotFound
 from producer.protocol import JobResult, StreamEvent
@@ -33,6 +33,7 @@ from serve.checks import Checks
 from serve.disconnect import EventStream, unless_gone
 from serve.errors import APIError, bad_request, from_result
 from serve.events import Subscription
+from serve.json_response import JSON
 from serve.queues import Queues, redis_refusal
 from serve.tenancy import Ticket
 from serve.tenants import Tenants
@@ -83,7 +84,7 @@ async def handle(kind: Kind, request: Request, queues: Queues, tenants: Tenants,
         await settle(res)
         if res.status != "completed":
             raise from_result(res)
-        return JSONResponse(responses.completion(p, res))
+        return JSON(responses.completion(p, res))
     finally:
         if not handed_off:
             _end(queues, sub)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 from producer.protocol import Choice, JobResult, TokenLogprob, Usage
 from serve.translate import Parsed
@@ -131,8 +132,17 @@ class Chunks:
         return out + DONE
 
 
+def dumps(body: Any, allow_nan: bool = True) -> bytes:
+    """Compact JSON in UTF-8; text that UTF-8 cannot hold (a lone surrogate, in an error quoting a request, say)
+    goes out escaped, never as a 500."""
+    try:
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=allow_nan).encode()
+    except UnicodeEncodeError:
+        return json.dumps(body, separators=(",", ":"), allow_nan=allow_nan).encode()
+
+
 def sse(body: dict) -> bytes:
-    return f"data: {json.dumps(body, separators=(',', ':'), ensure_ascii=False)}\n\n".encode()
+    return b"data: " + dumps(body) + b"\n\n"
 
 
 DONE = b"data: [DONE]\n\n"

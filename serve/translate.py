@@ -7,6 +7,13 @@ something else silently.
 grammar engine refuses (an invalid schema or regex, a grammar error) is a 400 naming the problem, before any job
 is queued (serve.constraints: `parse` checks it, unless its caller checks it later, off the event loop).
 
+Text that is not valid Unicode (a lone surrogate: JSON can spell "\\ud800", UTF-8 cannot hold it) is a 400 naming
+where it is, wherever it is in the body.
+
+A field sent as null counts as absent (the SDKs and many apps send nulls). Beyond OpenAI's fields, vLLM's
+sampling extensions that the engine has are accepted too (`top_k`, `min_p`, `repetition_penalty`,
+`ignore_eos`, `stop_token_ids`, and on both endpoints `best_of` and beam search: `use_beam_search`,
+`length_penalty`, `early_stopping`, the width being `best_of` or else `n`), and `priority`.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from producer.protocol import JobRequest
+from producer.protocol import JobRequest, lone_surrogate
 from serve import constraints
 from serve.errors import APIError, bad_request, unsupported
 from serve.tools import ToolCalls, parse_tools
@@ -68,6 +75,7 @@ def parse(kind: Kind, body: Any, job_id: str | None = None, default_max_tokens: 
     now (False: the caller checks it later, serve.constraints.Checks)."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    _check_unicode(body)
     body = {k: v for k, v in body.items() if v is not None}
     allowed = _CHAT if kind == "chat" else _COMPLETION
     for key in body:
@@ -131,6 +139,16 @@ def parse(kind: Kind, body: Any, job_id: str | None = None, default_max_tokens: 
         if check:
             constraints.check_now(req.constraint, param)
     return Parsed(kind, model, req, stream, bool(options.get("include_usage")), logprobs is not None, tools, param)
+
+
+def _check_unicode(body: dict) -> None:
+    """A 400 naming the first string (or key) holding a lone surrogate: refused before any field is read, so that
+    no error message quotes one back (it could not be encoded) and JobRequest never sees one."""
+    found = lone_surrogate(body)
+    if found is not None:
+        where, char = found
+        raise bad_request(f"{where}: text is not valid Unicode (a lone surrogate, U+{ord(char):04X}): send UTF-8 "
+                          "text", where, "invalid_unicode")
 
 
 def _check_neutral(kind: Kind, body: dict) -> None:
