@@ -212,6 +212,11 @@ class JobRequest(BaseModel):
 def lone_surrogate(value: Any) -> tuple[str, str] | None:
     """(the dotted path, the character) of the first lone surrogate in any string of `value`, keys included, or
     None. A walk with its own stack: a 5,000-deep nest is no reason to fail with anything but a clear error."""
+    try:  # the usual case, in C rather than a walk in Python: UTF-8 holds every string of it
+        json.dumps(value, ensure_ascii=False).encode()
+        return None
+    except (UnicodeEncodeError, TypeError, ValueError, RecursionError):  # one is there, or not plain JSON: walk
+        pass
     todo: list[tuple[str, Any]] = [("", value)]
     while todo:
         path, v = todo.pop()
