@@ -25,6 +25,7 @@ from producer import flows
 from serve import auth, progress, routes
 from serve.batch_lease import Holder
 from serve.body_limit import BodyLimit
+from serve.body_thread import BodyThread
 from serve.checks import Checks
 from serve.config import ServeConfig
 from serve.errors import APIError, bad_request
@@ -44,6 +45,7 @@ def create_app(config: ServeConfig | None = None) -> FastAPI:
     metrics = ServeMetrics()
     tenants = Tenants(config, metrics)
     checks = Checks(config, metrics)
+    body_thread = BodyThread()
     state: dict = {}
 
     @contextlib.asynccontextmanager
@@ -64,6 +66,7 @@ def create_app(config: ServeConfig | None = None) -> FastAPI:
                 await sweeper
             await queues.close()
             checks.close()
+            body_thread.close()
 
     def queues() -> Queues:
         return state["queues"]
@@ -85,7 +88,8 @@ def create_app(config: ServeConfig | None = None) -> FastAPI:
     v1 = [Depends(authorized), Depends(limited)]
     app.include_router(routes.model_routes(config, queues), dependencies=v1)
     # A completion is admitted once its body is read: its charge against the tokens per minute depends on it.
-    app.include_router(routes.completion_routes(queues, tenants, checks), dependencies=[Depends(authorized)])
+    app.include_router(routes.completion_routes(queues, tenants, checks, body_thread),
+                       dependencies=[Depends(authorized)])
     app.include_router(routes.file_routes(config, queues, tenants), dependencies=v1)
     app.include_router(routes.batch_routes(config, queues, metrics, tenants), dependencies=v1)
     app.add_middleware(BodyLimit, config=config)

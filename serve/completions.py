@@ -3,7 +3,8 @@
 Cheap checks come first, so that a request refused costs little whatever it holds: the key (serve.auth) and the
 body's size (serve.body_limit) before the handler runs, then the body parsed and held to the client's limits, then
 the process's and the key's admission (open requests, the queue's depth, the key's rates and cap on jobs), and only
-then its constraint compiled, off the event loop (serve.checks), and its job submitted.
+then its constraint compiled, off the event loop (serve.checks), and its job submitted. A large body is parsed
+off the event loop too (serve.body_thread).
 
 A request waits on its job through the process's event reader (serve.events), holding no Redis connection; a
 process answers at most max_open_requests of them at once (429 with Retry-After past it). A streamed request whose
@@ -18,6 +19,7 @@ usage once it reads the job's end (serve.tenancy; the sweep settles the jobs who
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import redis as redis_lib
@@ -29,6 +31,7 @@ from producer.protocol import JobResult, StreamEvent
 from serve import responses, tenancy
 from serve.api_keys import ApiKey
 from serve.auth import key_of
+from serve.body_thread import BodyThread
 from serve.checks import Checks
 from serve.disconnect import EventStream, unless_gone
 from serve.errors import APIError, bad_request, from_result
@@ -45,19 +48,12 @@ IDEMPOTENCY_HEADER = "idempotency-key"
 CLIENT_CLOSED = 499
 
 
-async def handle(kind: Kind, request: Request, queues: Queues, tenants: Tenants, checks: Checks) -> Response:
-    try:
-        body = await request.json()
-    except ValueError:
-        raise bad_request("the request body is not valid JSON") from None
+async def handle(kind: Kind, request: Request, queues: Queues, tenants: Tenants, checks: Checks,
+                 body_thread: BodyThread) -> Response:
+    raw = await request.body()
     key = key_of(request)
     idem = request.headers.get(IDEMPOTENCY_HEADER)
-    p = parse(kind, body, tenancy.job_id(key, idem), queues.config.default_max_tokens, check=False)
-    client = queues.for_model(p.model)
-    try:
-        client.limits.check(p.request)  # the client's size limits, the same the workers enforce by default
-    except ValueError as e:
-        raise bad_request(str(e), code="limit_exceeded") from None
+    p, client = await body_thread.run(len(raw), _read, kind, raw, tenancy.job_id(key, idem), queues)
     queues.admit()
     sub: Subscription | None = None
     handed_off = False
@@ -88,6 +84,22 @@ async def handle(kind: Kind, request: Request, queues: Queues, tenants: Tenants,
     finally:
         if not handed_off:
             _end(queues, sub)
+
+
+def _read(kind: Kind, raw: bytes, job_id: str | None, queues: Queues) -> tuple[Parsed, AsyncClient]:
+    """The request's job, parsed and held to its queue client's size limits (the same the workers enforce by
+    default); a 400 naming what is wrong."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise bad_request("the request body is not valid JSON") from None
+    p = parse(kind, body, job_id, queues.config.default_max_tokens, check=False)
+    client = queues.for_model(p.model)
+    try:
+        client.limits.check(p.request)
+    except ValueError as e:
+        raise bad_request(str(e), code="limit_exceeded") from None
+    return p, client
 
 
 def _end(queues: Queues, sub: Subscription | None) -> None:

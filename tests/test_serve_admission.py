@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from serve import constraints
+from serve.body_thread import OFF_LOOP_BYTES
 from serve.checks import Checks
 from serve.config import ServeConfig
 from serve.errors import APIError
@@ -31,7 +32,7 @@ def schema(fields: int) -> dict:
 
 
 BIG = schema(280)  # under the 64 KiB constraint limit (Limits.max_constraint_bytes)
-TOO_BIG = schema(400)
+TOO_BIG = schema(2500)  # ~550 KB: its body is read off the event loop (serve.body_thread)
 
 
 def chat(schema_: dict, **extra) -> dict:
@@ -57,6 +58,9 @@ def test_cheap_checks_come_before_the_compile(queue, start_serve):
     # Over the constraint's size limit: a 400 before the key's rate is even looked at.
     r = httpx.post(f"{base}/v1/chat/completions", json=chat(TOO_BIG), headers=auth)
     assert r.status_code == 400 and r.json()["error"]["code"] == "limit_exceeded", r.text
+    assert len(r.request.content) > OFF_LOOP_BYTES
+    r = httpx.post(f"{base}/v1/chat/completions", content=r.request.content[:-1], headers=auth)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"], r.text
     # At its rate limit: 429, and the schema was never compiled.
     r = httpx.post(f"{base}/v1/chat/completions", json=chat(BIG), headers=auth)
     assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded", r.text
