@@ -80,3 +80,16 @@ def test_answers_never_fail_to_encode_one():
     for raw in (dumps(body), sse(body)[len(b"data: "):-2], JSON(body).body):
         assert json.loads(raw) == body  # escaped, so the client reads back what was sent
     assert dumps({"text": "é"}) == '{"text":"é"}'.encode()  # valid text stays as it is, in UTF-8
+
+
+def test_lone_surrogate_finds_where_it_is():
+    from producer.protocol import lone_surrogate
+
+    assert lone_surrogate({"a": ["ok", {"b": f"x{LONE}"}]}) == ("a[1].b", LONE)
+    assert lone_surrogate({"k": {f"key{LONE}": 1}}) == ("k.key\\ud800", LONE)  # keys too, spelled as JSON does
+    assert lone_surrogate({"fine": ["é", "\U0001f600", 1.5, None]}) is None
+    deep: list = [LONE]
+    for _ in range(5000):  # past what JSON encoding recurses into: walked instead
+        deep = [deep]
+    assert lone_surrogate(deep) == ("[0]" * 5000 + "[0]", LONE)
+    assert lone_surrogate({"s": {1, 2}, "t": (LONE,)}) == ("t[0]", LONE)  # not plain JSON: walked
