@@ -40,9 +40,10 @@ class ServeConfig(BaseModel):
     max_body_bytes: int = 16 * 2**20
     max_file_bytes: int = 100 * 2**20
     # A request's constraint is compiled off the event loop (serve.checks), this many at once, each within
-    # constraint_check_s (a 400 past it).
+    # constraint_check_s (a 400 past it). The grammar engine releases the GIL: each thread may take a core from the
+    # process's streams and the workers beside it.
     constraint_check_s: float = 5.0
-    constraint_threads: int = 2
+    constraint_threads: int = 1
     # A stream whose client does not read is dropped once this many of its job's events (or bytes) wait for it.
     stream_buffer_events: int = 4096
     stream_buffer_bytes: int = 2**20
