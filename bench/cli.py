@@ -12,8 +12,9 @@ from bench import gpu_check
 from bench.workloads import NAMES
 from engine.config import DEFAULT_MODEL, QUANTIZATIONS
 
-# The last four are runs of their own (bench.overhead, bench.parallel, bench.serve_load, bench.structured).
-WORKLOADS = (*NAMES, "overhead", "parallel", "serve-load", "json")
+# The last five are runs of their own (bench.overhead, bench.parallel, bench.serve_load, bench.structured,
+# bench.serve_isolation).
+WORKLOADS = (*NAMES, "overhead", "parallel", "serve-load", "json", "serve-isolation")
 SYSTEMS = ("pagedq", "pagedq-redis", "hf-generate", "hf-static", "hf-cb", "pagedq-serve", "vllm", "llamacpp")
 DEFAULT_SYSTEMS = SYSTEMS[:-2]  # vLLM and llama.cpp when asked for: each needs an install of its own
 
@@ -124,6 +125,14 @@ def bench(model, device, dtype, workloads, systems, quick, num_requests, hf_sing
 
             workloads = [w for w in workloads if w != "serve-load"]
             run_serve_load(device or "cpu", quick, num_requests.get("serve-load"), out_dir=out_dir, echo=click.echo)
+            if not workloads:
+                return
+        if "serve-isolation" in workloads:  # its own micro model, worker and serve process: a run of its own
+            from bench.serve_isolation import run_serve_isolation
+
+            workloads = [w for w in workloads if w != "serve-isolation"]
+            run_serve_isolation(device or "cpu", quick, num_requests.get("serve-isolation"), out_dir=out_dir,
+                                echo=click.echo)
             if not workloads:
                 return
         run_bench(model, device, workloads, systems, quick, out_dir, dtype=dtype, num_requests=num_requests,
