@@ -20,7 +20,6 @@ from serve.config import ServeConfig
 from serve.errors import APIError, from_result
 from serve.translate import CONSTRAINTS, Kind, Parsed, endpoint_kind, parse
 
-CONSTRAINT_BUDGET_S = 5.0  # how long one line's constraint may take to check before the line is refused
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _CONSTRAINED = {"response_format", "tools", *CONSTRAINTS}  # fields whose check may compile a grammar
 
@@ -81,7 +80,7 @@ class LineReader:
         self.timeout_s = timeout_s  # a job still queued when the window closes expires by itself
         self.limits = limits or Limits()  # the live routes' (their AsyncClients' default), which workers enforce
         self.seen: set[str] = set()
-        self.budget = CheckBudget(CONSTRAINT_BUDGET_S)
+        self.budget = CheckBudget(config.constraint_check_s)  # the live routes' budget too
 
     def read(self, lines: list[str], first: int) -> Chunk:
         """Lines `first`, `first` + 1, ... of the file."""

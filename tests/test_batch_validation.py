@@ -77,8 +77,7 @@ def test_a_constraint_that_takes_too_long_to_check_fails_its_line_only(monkeypat
         return checked(kind, spec)
 
     monkeypatch.setattr(constraints, "problem", slow)
-    monkeypatch.setattr(batch_lines, "CONSTRAINT_BUDGET_S", 0.2)
-    reader = batch_lines.LineReader("batch_x", translate.CHAT, ServeConfig(), 60)
+    reader = batch_lines.LineReader("batch_x", translate.CHAT, ServeConfig(constraint_check_s=0.2), 60)
     lines = [line("slow", guided_regex="slow[a-z]+"), line("quick", guided_regex="[0-9]+"), line("plain")]
     chunk = reader.read(lines, 0)
     reader.close()
