@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+import redis
 from faults import check_all, freeze, log_of, make_requests, started, thaw, wait_for
 
 from producer import Client, JobRequest
@@ -59,6 +60,19 @@ def _stop(workers: list) -> None:
         stop_process(w, 10)
 
 
+def _read(call, tries: int = 5):
+    """call(), tried again when Sentinel's reconfiguration closes the connection under it (CLIENT KILL on the
+    promoted or the rejoined server, seconds after the failover): what is counted here is the jobs' fate, not how
+    the client rides through a failover (issue 41's)."""
+    for attempt in range(tries):
+        try:
+            return call()
+        except redis.ConnectionError:
+            if attempt == tries - 1:
+                raise
+            time.sleep(0.5)
+
+
 def _ledger(c: Client, acked: list[str], timeout: float) -> dict:
     """Every acknowledged job's fate on the new primary: completed (its stream whole, exactly one end), lost (the
     new primary never heard of it) or duplicated (a token or an end twice in its stream)."""
@@ -66,11 +80,12 @@ def _ledger(c: Client, acked: list[str], timeout: float) -> dict:
     end = time.monotonic() + timeout
     for job_id in acked:
         try:
-            res = c.result(job_id, timeout=max(1.0, end - time.monotonic()))
+            res = _read(lambda job_id=job_id: c.result(job_id, timeout=max(1.0, end - time.monotonic())))
         except JobNotFound:
             lost.append(job_id)
             continue
-        events = [parse_event(eid, f) for eid, f in c.redis.xrange(c.keys.events(job_id))]
+        entries = _read(lambda job_id=job_id: c.redis.xrange(c.keys.events(job_id)))
+        events = [parse_event(eid, f) for eid, f in entries]
         tokens = [t for e in events if not e.terminal for t in e.token_ids]
         if sum(e.terminal for e in events) != 1 or tokens != res.token_ids or res.status != "completed":
             duplicated.append(job_id)
