@@ -22,10 +22,9 @@ from starlette.exceptions import HTTPException
 
 from monitor.dashboard import create_app as dashboard_app
 from producer import flows
-from serve import auth, progress, routes
+from serve import auth, cpu_process, progress, routes
 from serve.batch_lease import Holder
 from serve.body_limit import BodyLimit
-from serve.body_thread import BodyThread
 from serve.checks import Checks
 from serve.config import ServeConfig
 from serve.errors import APIError, bad_request
@@ -45,7 +44,6 @@ def create_app(config: ServeConfig | None = None) -> FastAPI:
     metrics = ServeMetrics()
     tenants = Tenants(config, metrics)
     checks = Checks(config, metrics)
-    body_thread = BodyThread()
     state: dict = {}
 
     @contextlib.asynccontextmanager
@@ -66,7 +64,7 @@ def create_app(config: ServeConfig | None = None) -> FastAPI:
                 await sweeper
             await queues.close()
             checks.close()
-            body_thread.close()
+            cpu_process.close()
 
     def queues() -> Queues:
         return state["queues"]
@@ -88,7 +86,7 @@ def create_app(config: ServeConfig | None = None) -> FastAPI:
     v1 = [Depends(authorized), Depends(limited)]
     app.include_router(routes.model_routes(config, queues), dependencies=v1)
     # A completion is admitted once its body is read: its charge against the tokens per minute depends on it.
-    app.include_router(routes.completion_routes(queues, tenants, checks, body_thread),
+    app.include_router(routes.completion_routes(queues, tenants, checks),
                        dependencies=[Depends(authorized)])
     app.include_router(routes.file_routes(config, queues, tenants), dependencies=v1)
     app.include_router(routes.batch_routes(config, queues, metrics, tenants), dependencies=v1)

@@ -1,6 +1,6 @@
 """Creating a batch from an uploaded file, cheap checks first: the key's cap on unended batches (429), the file's
 lines counted against max_batch_lines (400, before anything is stored). Then the batch is stored, validating,
-and its lines are read off the event loop (flows.Offload), a chunk at a time: each becomes its job or its error
+and its lines are read in another process (serve.cpu_process, through flows.Offload), a chunk at a time: each becomes its job or its error
 line (serve.batch_lines), stored as it goes; then its jobs are submitted (serve.progress.submit_jobs).
 
 A batch never stays validating: an exception while its lines are read fails it, the reason in its `errors`; a
@@ -19,9 +19,9 @@ from typing import Any
 from producer import calls, flows
 from producer.flows import Cmd, Flow, Offload, Pipe
 from producer.keys import ApiKeyKeys, BatchKeys
-from serve import batch_store, files, progress
+from serve import batch_store, cpu_process, files, progress
 from serve.batch_lease import CREATOR_LEASE_MS, Holder, LeaseLost
-from serve.batch_lines import LineReader, request_lines
+from serve.batch_lines import forget_reader, read_chunk, request_lines
 from serve.batch_store import FAILED, QUEUES, VALIDATED, VALIDATING
 from serve.config import ServeConfig
 from serve.errors import APIError, bad_request, not_found
@@ -56,14 +56,14 @@ def create(config: ServeConfig, input_file_id: str, endpoint: str, window_s: int
         if owner:
             yield from batch_store.ended(batch_id, owner)
         return batch_id
-    reader = LineReader(batch_id, endpoint, config, window_s)
+    reader = (batch_id, endpoint, config, window_s)  # read_chunk's first arguments
     try:
         if (yield from _read(batch_id, owner, lines, reader, config.store_ttl_s, holder)):
             yield from progress.submit_jobs(batch_id, owner, holder)
     except LeaseLost:  # this call stalled past its lease, and the batch was taken over: it is the taker's now
         log.warning("batch %s: its creator lost its lease; another process moves it on", batch_id)
     finally:
-        reader.close()
+        cpu_process.post(forget_reader, batch_id)
     return batch_id
 
 
@@ -111,15 +111,14 @@ def _store(batch_id: str, fields: dict, owner: str | None, ttl: int, holder: Hol
     _raise_first((yield Pipe(ops)))
 
 
-def _read(batch_id: str, owner: str | None, lines: list[str], reader: LineReader, ttl: int, holder: Holder
-          ) -> Flow:
+def _read(batch_id: str, owner: str | None, lines: list[str], reader: tuple, ttl: int, holder: Holder) -> Flow:
     """Read the lines into items, a chunk at a time off the event loop, and store them; then mark the batch's
     lines all read. Returns False when reading failed (the batch failed with the reason)."""
     items, open_ = BatchKeys.items(batch_id), BatchKeys.open(batch_id)
     queues: set[str] = set()
     errors = 0
     for s in range(0, len(lines), READ_CHUNK):
-        chunk = yield Offload(_caught, (reader.read, lines[s:s + READ_CHUNK], s))
+        chunk = yield Offload(_caught, (cpu_process.call, read_chunk, *reader, lines[s:s + READ_CHUNK], s))
         if isinstance(chunk, Exception):
             log.error("batch %s: reading line %d on failed", batch_id, s, exc_info=chunk)
             yield from batch_store.fail(batch_id, owner, (VALIDATING,),

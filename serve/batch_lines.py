@@ -1,8 +1,8 @@
 """A batch's lines: the input JSONL -> one item per request (its job, or why it cannot run), and each item's
 line of the output or error file, in OpenAI's formats.
 
-Reading lines is CPU work (JSON, the request's checks, a constraint's grammar): serve.batch_intake runs it off
-the event loop, a chunk at a time. A line is checked as the live routes check a request (serve.translate.parse,
+Reading lines is CPU work (JSON, the request's checks, a constraint's grammar): serve.batch_intake has it done in
+serve.cpu_process's process (read_chunk), a chunk at a time, where holding the GIL stalls no stream. A line is checked as the live routes check a request (serve.translate.parse,
 the size limits of producer.protocol.Limits) and whatever is wrong with it becomes its error line; nothing one
 line holds stops the others.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from producer.protocol import JobRequest, JobResult, Limits, lone_surrogate
@@ -22,6 +23,7 @@ from serve.translate import CONSTRAINTS, Kind, Parsed, endpoint_kind, parse
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _CONSTRAINED = {"response_format", "tools", *CONSTRAINTS}  # fields whose check may compile a grammar
+READERS_KEPT = 16  # batches whose readers the reading process keeps between their chunks
 
 
 @dataclass
@@ -200,3 +202,25 @@ def output_lines(batch_id: str, kind: Kind, first: int, raw_items: list[str | No
                                           "error": {"code": "output_error", "message": f"{type(e).__name__}: {e}"}})
         (good if ok else bad).append(text + "\n")
     return "".join(good).encode(), "".join(bad).encode()
+
+
+# ---- in the reading process (serve.cpu_process) -------------------------------------------------------------------
+
+_readers: OrderedDict[str, LineReader] = OrderedDict()  # each batch's, across its chunks (the custom_ids it saw)
+
+
+def read_chunk(batch_id: str, endpoint: str, config: ServeConfig, timeout_s: float, lines: list[str], first: int
+               ) -> Chunk:
+    """LineReader.read of the batch's reader, made at its first chunk."""
+    reader = _readers.pop(batch_id, None) or LineReader(batch_id, endpoint, config, timeout_s)
+    _readers[batch_id] = reader
+    while len(_readers) > READERS_KEPT:
+        _readers.popitem(last=False)[1].close()
+    return reader.read(lines, first)
+
+
+def forget_reader(batch_id: str) -> None:
+    """The batch's lines are all read."""
+    reader = _readers.pop(batch_id, None)
+    if reader is not None:
+        reader.close()

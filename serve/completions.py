@@ -4,7 +4,7 @@ Cheap checks come first, so that a request refused costs little whatever it hold
 body's size (serve.body_limit) before the handler runs, then the body parsed and held to the client's limits, then
 the process's and the key's admission (open requests, the queue's depth, the key's rates and cap on jobs), and only
 then its constraint compiled, off the event loop (serve.checks), and its job submitted. A large body is parsed
-off the event loop too (serve.body_thread).
+in another process (serve.cpu_process): its decoding would hold the GIL, and so every stream, for tens of ms.
 
 A request waits on its job through the process's event reader (serve.events), holding no Redis connection; a
 process answers at most max_open_requests of them at once (429 with Retry-After past it). A streamed request whose
@@ -27,11 +27,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from producer import AsyncClient, DuplicateJobError, JobNotFound
-from producer.protocol import JobResult, StreamEvent
-from serve import responses, tenancy
+from producer.protocol import JobResult, Limits, StreamEvent
+from serve import cpu_process, responses, tenancy
 from serve.api_keys import ApiKey
 from serve.auth import key_of
-from serve.body_thread import BodyThread
 from serve.checks import Checks
 from serve.disconnect import EventStream, unless_gone
 from serve.errors import APIError, bad_request, from_result
@@ -43,17 +42,19 @@ from serve.tenants import Tenants
 from serve.translate import Kind, Parsed, parse
 
 IDEMPOTENCY_HEADER = "idempotency-key"
+LIMITS = Limits()
 # Not an HTTP status a client reads (it is gone); what access logs and metrics record for a request whose
 # client left, as nginx does.
 CLIENT_CLOSED = 499
 
 
-async def handle(kind: Kind, request: Request, queues: Queues, tenants: Tenants, checks: Checks,
-                 body_thread: BodyThread) -> Response:
+async def handle(kind: Kind, request: Request, queues: Queues, tenants: Tenants, checks: Checks) -> Response:
     raw = await request.body()
     key = key_of(request)
     idem = request.headers.get(IDEMPOTENCY_HEADER)
-    p, client = await body_thread.run(len(raw), _read, kind, raw, tenancy.job_id(key, idem), queues)
+    p = await cpu_process.acall(len(raw), read, kind, raw, tenancy.job_id(key, idem),
+                                queues.config.default_max_tokens)
+    client = queues.for_model(p.model)
     queues.admit()
     sub: Subscription | None = None
     handed_off = False
@@ -86,20 +87,19 @@ async def handle(kind: Kind, request: Request, queues: Queues, tenants: Tenants,
             _end(queues, sub)
 
 
-def _read(kind: Kind, raw: bytes, job_id: str | None, queues: Queues) -> tuple[Parsed, AsyncClient]:
-    """The request's job, parsed and held to its queue client's size limits (the same the workers enforce by
-    default); a 400 naming what is wrong."""
+def read(kind: Kind, raw: bytes, job_id: str | None, default_max_tokens: int | None) -> Parsed:
+    """The request's job, parsed and held to the size limits the queue clients and the workers enforce by default
+    (Limits()); a 400 naming what is wrong. Runs in serve.cpu_process's process for a large body."""
     try:
         body = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise bad_request("the request body is not valid JSON") from None
-    p = parse(kind, body, job_id, queues.config.default_max_tokens, check=False)
-    client = queues.for_model(p.model)
+    p = parse(kind, body, job_id, default_max_tokens, check=False)
     try:
-        client.limits.check(p.request)
+        LIMITS.check(p.request)
     except ValueError as e:
         raise bad_request(str(e), code="limit_exceeded") from None
-    return p, client
+    return p
 
 
 def _end(queues: Queues, sub: Subscription | None) -> None:

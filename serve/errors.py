@@ -17,6 +17,9 @@ class APIError(Exception):
         self.code = code
         self.headers = headers or {}
 
+    def __reduce__(self) -> tuple:  # as raised in serve.cpu_process's process, then raised again here
+        return APIError, (self.status, self.message, self.type, self.param, self.code, self.headers)
+
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 

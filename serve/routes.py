@@ -18,7 +18,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from producer import flows
 from serve import batches, completions, files
 from serve.auth import key_of
-from serve.body_thread import BodyThread
 from serve.checks import Checks
 from serve.config import ServeConfig
 from serve.errors import APIError, bad_request, not_found
@@ -76,16 +75,16 @@ def model_routes(config: ServeConfig, queues: QueuesOf) -> APIRouter:
     return router
 
 
-def completion_routes(queues: QueuesOf, tenants: Tenants, checks: Checks, body_thread: BodyThread) -> APIRouter:
+def completion_routes(queues: QueuesOf, tenants: Tenants, checks: Checks) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await completions.handle("chat", request, queues(), tenants, checks, body_thread)
+        return await completions.handle("chat", request, queues(), tenants, checks)
 
     @router.post("/v1/completions")
     async def completion(request: Request) -> Response:
-        return await completions.handle("completion", request, queues(), tenants, checks, body_thread)
+        return await completions.handle("completion", request, queues(), tenants, checks)
 
     return router
 

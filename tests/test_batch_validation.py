@@ -12,7 +12,7 @@ import redis
 
 from producer import flows
 from producer.keys import BatchKeys
-from serve import batch_intake, batch_lines, batches, constraints, files, translate
+from serve import batch_intake, batch_lines, batches, constraints, cpu_process, files, translate
 from serve.config import ServeConfig
 
 WORKER_FLAGS = ("--max-num-seqs", "8", "--num-kv-blocks", "256", "--max-model-len", "512",
@@ -99,6 +99,7 @@ def test_a_batch_whose_reading_fails_is_failed_with_the_reason(r, redis_url, que
         raise RuntimeError("the reader broke")
 
     monkeypatch.setattr(batch_lines.LineReader, "read", broken)
+    monkeypatch.setattr(cpu_process, "call", lambda fn, *args: fn(*args))  # read here, where the patch holds
     cfg = ServeConfig(redis_url=redis_url, queue=queue)
     f = flows.drive(r, files.put("\n".join(line(f"r{i}") for i in range(3)), "in.jsonl", "batch", 600))
     b = flows.drive(r, batches.create(cfg, f["id"], "/v1/chat/completions"))

@@ -12,9 +12,9 @@ import httpx
 import pytest
 
 from serve import constraints
-from serve.body_thread import OFF_LOOP_BYTES
 from serve.checks import Checks
 from serve.config import ServeConfig
+from serve.cpu_process import OFF_LOOP_BYTES
 from serve.errors import APIError
 from serve.metrics import ServeMetrics
 from serve.verdicts import Verdict, Verdicts, spec_key
@@ -32,7 +32,7 @@ def schema(fields: int) -> dict:
 
 
 BIG = schema(280)  # under the 64 KiB constraint limit (Limits.max_constraint_bytes)
-TOO_BIG = schema(2500)  # ~550 KB: its body is read off the event loop (serve.body_thread)
+TOO_BIG = schema(2500)  # ~550 KB: its body is read in another process (serve.cpu_process)
 
 
 def chat(schema_: dict, **extra) -> dict:
