@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from producer import flows
 from serve import batches, completions, files
 from serve.auth import key_of
+from serve.body_limit import FORM_SLACK
 from serve.checks import Checks
 from serve.config import ServeConfig
 from serve.errors import APIError, bad_request, not_found
@@ -95,7 +96,7 @@ def file_routes(config: ServeConfig, queues: QueuesOf, tenants: Tenants) -> APIR
     @router.post("/v1/files")
     async def upload(request: Request) -> dict:
         size = request.headers.get("content-length")
-        if size and size.isdigit() and int(size) > config.max_file_bytes + 64 * 1024:
+        if size and size.isdigit() and int(size) > config.max_file_bytes + FORM_SLACK:
             raise APIError(413, f"the file is larger than {config.max_file_bytes} bytes", param="file")
         form = await request.form(max_files=1, max_fields=8)
         purpose, upload = form.get("purpose"), form.get("file")
