@@ -34,7 +34,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from bench.serve_load import _pct, _start, _wait_health
+from bench.serve_load import pct, start_logged, wait_health
 
 STREAMS = 50
 TOKENS = 256  # per request; a stream's client sends the next when one ends
@@ -176,7 +176,7 @@ async def _phase(base: str, streams: int, disturb: Callable[[], Awaitable[dict]]
             c.cancel()
         await asyncio.gather(*clients, return_exceptions=True)
     gaps = [gap for t, gap in arrivals if start <= t <= end]
-    return {"window_s": end - start, "gaps": len(gaps), "gap_p50_s": _pct(gaps, 50), "gap_p99_s": _pct(gaps, 99),
+    return {"window_s": end - start, "gaps": len(gaps), "gap_p50_s": pct(gaps, 50), "gap_p99_s": pct(gaps, 99),
             **info}
 
 
@@ -220,18 +220,18 @@ def run_serve_isolation(device: str = "cpu", quick: bool = False, streams: int |
     procs: list[subprocess.Popen] = []
     with RedisServer() as srv:
         try:
-            procs.append(_start([sys.executable, "-m", "cli", "worker", "--redis-url", srv.url, "--queue", QUEUE,
+            procs.append(start_logged([sys.executable, "-m", "cli", "worker", "--redis-url", srv.url, "--queue", QUEUE,
                                  "--model", model, "--device", device, "--max-num-seqs", str(max(64, n)),
                                  "--num-kv-blocks", "8192", "--max-model-len", "512", "--served-model-name", MODEL,
                                  "--log-level", "WARNING"], out / "serve-isolation-worker.log"))
             port = free_port()
             base = f"http://127.0.0.1:{port}"
             serve_log = out / "serve-isolation-serve.log"
-            serve = _start([sys.executable, "-m", "cli", "serve", "--redis-url", srv.url, "--queue", QUEUE,
+            serve = start_logged([sys.executable, "-m", "cli", "serve", "--redis-url", srv.url, "--queue", QUEUE,
                             "--port", str(port), "--log-level", "WARNING", "--model", MODEL,
                             "--route", f"{PARKED}={QUEUE}-parked"], serve_log)
             procs.append(serve)
-            _wait_health(base, serve, serve_log)
+            wait_health(base, serve, serve_log)
             with Client(srv.url, queue=QUEUE) as c:  # the worker has loaded the model and stepped
                 c.submit(model=MODEL, prompt="warm", max_tokens=2).result(timeout=600)
             echo(f"serve-isolation: {n} streams, alone and beside each disturbance ({window_s:g} s, or the batch)")

@@ -35,7 +35,7 @@ QUEUE = "serve-load"
 MODEL = "micro"  # the name the workers serve the micro model under
 
 
-def _pct(xs: list[float], q: float) -> float | None:
+def pct(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
     s = sorted(xs)
@@ -43,8 +43,8 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 def _stats(ttft: list[float], e2e: list[float]) -> dict:
-    return {"ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99), "e2e_p50_s": _pct(e2e, 50),
-            "e2e_p99_s": _pct(e2e, 99)}
+    return {"ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "e2e_p50_s": pct(e2e, 50),
+            "e2e_p99_s": pct(e2e, 99)}
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -209,13 +209,13 @@ async def _served(base: str, n: int, tag: str) -> dict:
             **_stats([o[1] for o in good if o[1] is not None], [o[2] for o in good])}
 
 
-def _start(cmd: list[str], log_path: Path) -> subprocess.Popen:
+def start_logged(cmd: list[str], log_path: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     with open(log_path, "w") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
 
-def _wait_health(base: str, proc: subprocess.Popen, log_path: Path, timeout: float = 60) -> None:
+def wait_health(base: str, proc: subprocess.Popen, log_path: Path, timeout: float = 60) -> None:
     import httpx
 
     end = time.monotonic() + timeout
@@ -252,7 +252,7 @@ def run_serve_load(device: str, quick: bool, streams: int | None = None, out_dir
     with RedisServer() as srv:
         try:
             for w in range(WORKERS):
-                procs.append(_start([sys.executable, "-m", "cli", "worker", "--redis-url", srv.url, "--queue", QUEUE,
+                procs.append(start_logged([sys.executable, "-m", "cli", "worker", "--redis-url", srv.url, "--queue", QUEUE,
                                      "--model", model, "--device", device, "--max-num-seqs", "512",
                                      "--num-kv-blocks", "4096", "--max-model-len", "128", "--served-model-name", MODEL,
                                      "--log-level", "WARNING"],
@@ -260,11 +260,11 @@ def run_serve_load(device: str, quick: bool, streams: int | None = None, out_dir
             port = free_port()
             base = f"http://127.0.0.1:{port}"
             serve_log = out / "serve-load-serve.log"
-            serve = _start([sys.executable, "-m", "cli", "serve", "--redis-url", srv.url, "--queue", QUEUE,
+            serve = start_logged([sys.executable, "-m", "cli", "serve", "--redis-url", srv.url, "--queue", QUEUE,
                             "--port", str(port), "--log-level", "WARNING", "--max-open-requests", str(max(n, 1)),
                             "--redis-connections", str(SERVE_CONNECTIONS)], serve_log)
             procs.append(serve)
-            _wait_health(base, serve, serve_log)
+            wait_health(base, serve, serve_log)
             with Client(srv.url, queue=QUEUE) as c:  # both workers have loaded the model and stepped
                 jobs = c.submit_many([{"model": MODEL, "prompt": f"warm {i}", "max_tokens": 2} for i in range(8 * WORKERS)])
                 for j in jobs:
