@@ -16,7 +16,7 @@ from redis.exceptions import ResponseError
 
 from producer import wire
 from producer.errors import DuplicateJobError, JobNotFound, LeaseLost, OwnerFull, StreamGap
-from producer.keys import GROUP, ApiKeyKeys, Keys
+from producer.keys import DEFAULT_LANE, GROUP, ApiKeyKeys, Keys
 from producer.protocol import JobRequest, JobResult, Timings, Usage
 
 T = TypeVar("T")
@@ -99,10 +99,17 @@ def parse_owner_member(member: str) -> tuple[str, int]:
     return job_id, int(charged)
 
 
+def lane_keys(keys: Keys, lane: str, group: str | None) -> list[str]:
+    """The keys a script that queues a job needs (lib.lua's enqueue): its stream, its lane's groups and ready
+    set, the bell."""
+    return [keys.stream(lane, group), keys.lane_groups(lane), keys.ready(lane), keys.bell]
+
+
 def submit(keys: Keys, req: JobRequest, owner: Owner | None = None) -> Call[str]:
-    """Create the job and queue it. Reply: its stream entry id. OwnerFull: the owner's cap is reached."""
-    names = [keys.job(req.id), keys.result(req.id), keys.jobs]
-    args: list[Any] = [req.id, req.model_dump_json(exclude_defaults=True), repr(time.time())]
+    """Create the job and queue it on its lane (and group). Reply: its stream entry id. OwnerFull: the owner's cap
+    is reached."""
+    names = [keys.job(req.id), keys.result(req.id), *lane_keys(keys, req.lane, req.group)]
+    args: list[Any] = [req.id, req.model_dump_json(exclude_defaults=True), repr(time.time()), req.group or ""]
     if owner is not None:
         args.append(owner.key_id)
         if owner.cap is not None:
@@ -119,10 +126,11 @@ def cancel(keys: Keys, job_id: str, ttl: int) -> Call[str]:
                 [res.model_dump_json(), ttl], _same, job_id)
 
 
-def retry(keys: Keys, dlq_entry: str, job_id: str) -> Call[str]:
-    """Send a dead letter back to the queue. Reply: the job's new stream entry id."""
-    return Call("retry", [keys.dlq, keys.job(job_id), keys.events(job_id), keys.result(job_id), keys.jobs],
-                [dlq_entry, job_id, repr(time.time())], _same, job_id)
+def retry(keys: Keys, dlq_entry: str, job_id: str, lane: str = DEFAULT_LANE, group: str | None = None) -> Call[str]:
+    """Send a dead letter back to the queue, on its lane and group. Reply: the job's new stream entry id."""
+    return Call("retry", [keys.dlq, keys.job(job_id), keys.events(job_id), keys.result(job_id),
+                          *lane_keys(keys, lane, group)],
+                [dlq_entry, job_id, repr(time.time()), group or ""], _same, job_id)
 
 
 # ---- what a worker calls ------------------------------------------------------------------------------------
@@ -153,11 +161,13 @@ def _started(reply: Sequence) -> Started:
 
 @dataclass(frozen=True)
 class Delivery:
-    """What a worker needs to start a job it read from the stream."""
+    """What a worker needs to start a job it read from a stream, and the stream: its lane's or its group's."""
 
     job_id: str
     entry: str
     lease: str
+    lane: str = DEFAULT_LANE
+    group: str | None = None
 
 
 @dataclass(frozen=True)
@@ -174,7 +184,7 @@ class WorkerSettings:
 def start(keys: Keys, d: Delivery, s: WorkerSettings, now: float, alone: bool = False) -> Call[Started]:
     """alone: the worker runs nothing else and takes nothing else while this job runs."""
     j = d.job_id
-    return Call("start", [keys.job(j), keys.jobs, keys.events(j), keys.result(j), keys.dlq],
+    return Call("start", [keys.job(j), keys.stream(d.lane, d.group), keys.events(j), keys.result(j), keys.dlq],
                 [GROUP, d.entry, d.lease, s.worker_id, s.lease_ms, repr(now), s.max_attempts, s.ttl, s.dlq_cap,
                  int(alone)], _started, j)
 
@@ -218,10 +228,12 @@ def publish(keys: Keys, chunks: Sequence[Chunk]) -> Call[list[Ack | Gap]]:
 
 def renew(keys: Keys, s: WorkerSettings, held: Sequence[Delivery]) -> Call[list[Ack]]:
     """Reply: an Ack per held job, in order."""
+    names: list[str] = []
     args: list[Any] = [GROUP, s.worker_id, s.lease_ms]
     for d in held:
+        names += (keys.job(d.job_id), keys.stream(d.lane, d.group))
         args += (d.lease, d.entry)
-    return Call("renew", [keys.jobs] + [keys.job(d.job_id) for d in held], args, _acks)
+    return Call("renew", names, args, _acks)
 
 
 def complete(keys: Keys, d: Delivery, state: str, result_json: str, ttl: int, chunk: Chunk | None = None,
@@ -230,7 +242,7 @@ def complete(keys: Keys, d: Delivery, state: str, result_json: str, ttl: int, ch
     chunk: the output tokens its stream holds. Reply: True, or False when a retried call finds it done
     already. LeaseLost: another worker holds it. StreamGap: its stream lacks tokens (send them again)."""
     j = d.job_id
-    return Call("complete", [keys.job(j), keys.events(j), keys.result(j), keys.jobs],
+    return Call("complete", [keys.job(j), keys.events(j), keys.result(j), keys.stream(d.lane, d.group)],
                 [d.lease, GROUP, d.entry, state, wire.TERMINAL_EVENT[state], result_json, ttl,
                  chunk.event if chunk else "", chunk.offset if chunk else tokens], _done_now, j)
 
@@ -238,7 +250,7 @@ def complete(keys: Keys, d: Delivery, state: str, result_json: str, ttl: int, ch
 def fail(keys: Keys, d: Delivery, result_json: str, ttl: int) -> Call[bool]:
     """End a running job as failed. Reply as complete's."""
     j = d.job_id
-    return Call("fail", [keys.job(j), keys.events(j), keys.result(j), keys.jobs],
+    return Call("fail", [keys.job(j), keys.events(j), keys.result(j), keys.stream(d.lane, d.group)],
                 [d.lease, GROUP, d.entry, result_json, ttl], _done_now, j)
 
 
@@ -262,15 +274,34 @@ def release(keys: Keys, d: Delivery, s: WorkerSettings, mode: str, error_type: s
     """Give a held job back to the queue: mode wire.HANDBACK (draining) or wire.RETRY (it failed; dead-lettered
     once it used up its attempts)."""
     j = d.job_id
-    return Call("release", [keys.job(j), keys.jobs, keys.events(j), keys.result(j), keys.dlq],
+    stream, *lane = lane_keys(keys, d.lane, d.group)
+    return Call("release", [keys.job(j), stream, keys.events(j), keys.result(j), keys.dlq, *lane],
                 [GROUP, d.entry, d.lease, mode, error_type, message, s.max_attempts, s.ttl, s.dlq_cap,
-                 s.worker_id], _released, j)
+                 s.worker_id, d.group or ""], _released, j)
 
 
-def remove_consumer(keys: Keys, worker_id: str, min_idle_ms: int) -> Call[bool]:
-    """Delete the consumer of a worker that is gone: only if it holds no pending entry, was idle `min_idle_ms`
-    and has no heartbeat record. Reply: True when it was deleted."""
-    return Call("remove_consumer", [keys.jobs, keys.worker(worker_id)], [GROUP, worker_id, min_idle_ms], _done_now)
+def remove_consumer(keys: Keys, worker_id: str, min_idle_ms: int, stream: str | None = None) -> Call[bool]:
+    """Delete the consumer of a worker that is gone from a stream's group (default: `jobs`): only if it holds no
+    pending entry there, was idle `min_idle_ms` and has no heartbeat record. Reply: True when it was deleted."""
+    return Call("remove_consumer", [stream or keys.jobs, keys.worker(worker_id)], [GROUP, worker_id, min_idle_ms],
+                _done_now)
+
+
+def _entries(reply: Sequence | None) -> list[tuple[str, dict]]:
+    """XREADGROUP's entries as Lua returns them (field lists) -> (entry id, fields) pairs."""
+    return [(entry, dict(zip(f[::2], f[1::2], strict=True))) for entry, f in reply or ()]
+
+
+def take(keys: Keys, worker_id: str, lane: str, group: str | None, count: int) -> Call[list[tuple[str, dict]]]:
+    """Read up to `count` jobs no worker has read yet from a lane's or a group's stream. Reply: (entry id, fields)
+    pairs; a group's stream found drained leaves the lane's ready set."""
+    return Call("take", [keys.stream(lane, group), keys.ready(lane)], [GROUP, worker_id, count, group or ""],
+                _entries)
+
+
+def prune(keys: Keys, lane: str, group: str) -> Call[bool]:
+    """Drop a group's stream from its lane when it holds no job. Reply: True when it was dropped."""
+    return Call("prune", [keys.stream(lane, group), keys.lane_groups(lane), keys.ready(lane)], [group], _done_now)
 
 
 # ---- the Batch API's store ----------------------------------------------------------------------------------

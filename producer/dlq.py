@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 from producer import calls, flows
 from producer.errors import JobNotFound
-from producer.keys import Keys
+from producer.keys import DEFAULT_LANE, Keys, check_group, check_lane
 
 
 def list_dead(r, keys: Keys, count: int = 100) -> list[dict]:
@@ -17,8 +19,20 @@ def retry_dead(r, keys: Keys, job_id: str) -> str:
     # The stream is capped, so this scan is bounded.
     for eid, fields in r.xrevrange(keys.dlq):
         if fields.get("id") == job_id:
-            return flows.drive(r, flows.run_call(calls.retry(keys, eid, job_id)))
+            lane, group = _lane_of(fields.get("job", ""))
+            return flows.drive(r, flows.run_call(calls.retry(keys, eid, job_id, lane, group)))
     raise JobNotFound(f"no dead letter for job {job_id!r}")
+
+
+def _lane_of(payload: str) -> tuple[str, str | None]:
+    """The lane and group a dead job was queued on, from its JobRequest JSON: it goes back there. A payload that
+    does not say (or does not parse: it fails again, with its reason) goes to the default lane."""
+    try:
+        job = json.loads(payload)
+        lane, group = job.get("lane", DEFAULT_LANE), job.get("group")
+        return check_lane(lane), None if group is None else check_group(group)
+    except (ValueError, AttributeError):
+        return DEFAULT_LANE, None
 
 
 def purge_dead(r, keys: Keys) -> int:

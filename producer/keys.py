@@ -14,12 +14,33 @@ GROUP = "workers"
 
 _QUEUE_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 
+# A queue's priority lanes, most urgent first: each is a stream of its own, and every worker's intake reads them
+# in this order (with a floor share for the lower ones: worker/intake.py). "default" is the stream `pq:{q}:jobs`
+# that queues had before lanes, so a bare XADD to it keeps working.
+LANES = ("interactive", "default", "batch")
+DEFAULT_LANE = "default"
+# A job's fair-share group (a tenant, a customer) becomes part of a key name: no braces (the hash tag), no spaces.
+GROUP_NAME_PATTERN = r"^[A-Za-z0-9_.:@\-]{1,128}$"
+_GROUP_NAME_RE = re.compile(GROUP_NAME_PATTERN)
+
 
 def check_queue(queue: str) -> str:
     # Braces would break the hash tag; whitespace and odd characters only make keys hard to type.
     if not isinstance(queue, str) or not _QUEUE_RE.match(queue):
         raise ValueError(f"queue name must be 1-128 characters of [A-Za-z0-9_.:-], got {queue!r}")
     return queue
+
+
+def check_lane(lane: str) -> str:
+    if lane not in LANES:
+        raise ValueError(f"lane must be one of {', '.join(LANES)}, got {lane!r}")
+    return lane
+
+
+def check_group(group: str) -> str:
+    if not isinstance(group, str) or not _GROUP_NAME_RE.match(group):
+        raise ValueError(f"group must be 1-128 characters of [A-Za-z0-9_.:@-], got {group!r}")
+    return group
 
 
 # Every queue some worker has served: queue -> its last heartbeat (unix ms). `pagedq workers`, `status --all`
@@ -35,7 +56,9 @@ class Keys:
     def __init__(self, queue: str) -> None:
         self.queue = check_queue(queue)
         self.base = f"{PREFIX}:{{{queue}}}"
-        self.jobs = f"{self.base}:jobs"  # stream: one entry per queued job, read by the worker group
+        # Stream: one entry per queued job of the default lane without a group, read by the worker group. Every
+        # lane and group has a stream of its own (stream()); this one is also where bare XADDs of old producers go.
+        self.jobs = f"{self.base}:jobs"
         self.dlq = f"{self.base}:dlq"  # stream: jobs given up on (dead letters)
         self.group = GROUP
         # Heartbeats. Each live worker refreshes its own record key (with a TTL, so a dead worker vanishes
@@ -45,6 +68,32 @@ class Keys:
         # consumer-pruning script, which checks a record) stays on the queue's slot.
         self.workers = f"{self.base}:workers"  # sorted set: worker id -> its record's expiry (unix ms)
         self.stats = f"{self.base}:stats"  # stream: one entry per heartbeat: tokens, TTFT/TPOT bucket counts
+        # Hash: fair-share group -> its settings as JSON ({"weight": w, "max_running": n}), set by `pagedq groups`
+        # and read by every worker's intake; a group without an entry has weight 1 and no cap.
+        self.groups = f"{self.base}:groups"
+        # Stream, capped: one entry per job queued to a group's stream, so that an idle worker blocked on it wakes
+        # (group streams come and go; the lanes' own streams wake it themselves).
+        self.bell = f"{self.base}:bell"
+
+    def stream(self, lane: str = DEFAULT_LANE, group: str | None = None) -> str:
+        """Stream: the queued jobs of one lane and fair-share group. The default lane without a group is `jobs`."""
+        if group is not None:
+            return f"{self.jobs}:{check_lane(lane)}:{check_group(group)}"
+        return self.jobs if check_lane(lane) == DEFAULT_LANE else f"{self.jobs}:{lane}"
+
+    def lane_streams(self) -> list[str]:
+        """The lanes' own streams (jobs without a group), most urgent first: they always exist once a worker ran."""
+        return [self.stream(lane) for lane in LANES]
+
+    def lane_groups(self, lane: str) -> str:
+        """Set: the groups that have a stream in the lane (it holds jobs queued or running); a worker drops a group
+        once its stream is empty (producer/scripts/prune.lua)."""
+        return f"{self.base}:lane:{check_lane(lane)}:groups"
+
+    def ready(self, lane: str) -> str:
+        """Set: the groups of the lane whose streams may hold jobs no worker has read yet. submit.lua adds a group;
+        take.lua removes it when a read finds its stream drained."""
+        return f"{self.base}:lane:{check_lane(lane)}:ready"
 
     def worker(self, worker_id: str) -> str:
         """String with a TTL: the worker's heartbeat record as JSON."""

@@ -9,6 +9,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from producer.keys import DEFAULT_LANE, GROUP_NAME_PATTERN, LANES
+
 JobStatus = Literal["queued", "running", "completed", "failed", "cancelled", "expired"]
 FinishReason = Literal["stop", "length", "cancelled", "error", "expired"]
 TERMINAL = ("completed", "failed", "cancelled", "expired")
@@ -79,7 +81,12 @@ class JobRequest(BaseModel):
     guided_regex: str | None = Field(default=None, min_length=1)
     guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, min_length=1)
     guided_grammar: str | None = Field(default=None, min_length=1)  # Lark, or GBNF / EBNF as llama.cpp writes it
+    # The lane's stream it is queued on (read before the lanes below it), then within the worker's batch: lower
+    # priority runs first, and a running job of a lower lane or priority is preempted for it when the batch is full.
+    lane: Literal[LANES] = DEFAULT_LANE  # type: ignore[valid-type]
     priority: int = Field(default=0, ge=-INT32_MAX, le=INT32_MAX)  # lower runs first
+    # The fair-share group (a tenant, a customer): a lane's groups share the workers by weight (`pagedq groups`).
+    group: str | None = Field(default=None, pattern=GROUP_NAME_PATTERN)
     timeout_s: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)  # from enqueue; past it the job expires
     metadata: dict[str, Any] = Field(default_factory=dict)  # opaque to the worker; echoed in the result
 

@@ -9,8 +9,8 @@ from importlib import resources
 
 # A job's life (the JavaScript client runs the same files), then the group's upkeep, the Batch API's store and the
 # API keys of `pagedq serve`.
-NAMES = ("submit", "start", "publish", "complete", "fail", "cancel", "renew", "release", "retry", "remove_consumer",
-         "set_if", "lease", "limit", "reserve")
+NAMES = ("submit", "start", "publish", "complete", "fail", "cancel", "renew", "release", "retry", "take", "prune",
+         "remove_consumer", "set_if", "lease", "limit", "reserve")
 
 
 @cache

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from producer.calls import Delivery
+from producer.keys import DEFAULT_LANE
 from producer.protocol import JobRequest
 
 
@@ -27,6 +28,8 @@ class RunningJob:
     # Searches for the cause of a failed engine step that this job was in and that found none (worker.quarantine):
     # at max_attempts the job goes back to the queue as a failed delivery (the crash-loop rule).
     unexplained_faults: int = 0
+    lane: str = DEFAULT_LANE  # the lane and group whose stream it was read from
+    group: str | None = None
 
     def resumed_choice(self, index: int) -> tuple[list[int], str, str | None]:
         for i, ids, text, reason in self.resumed:
@@ -40,4 +43,4 @@ class RunningJob:
 
     @property
     def delivery(self) -> Delivery:
-        return Delivery(self.id, self.entry, self.lease)
+        return Delivery(self.id, self.entry, self.lease, self.lane, self.group)

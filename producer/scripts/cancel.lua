@@ -5,7 +5,8 @@
 -- KEYS[1]  job hash      pq:{q}:job:<id>
 -- KEYS[2]  event stream  pq:{q}:events:<id>
 -- KEYS[3]  result key    pq:{q}:result:<id>
--- KEYS[4]  jobs stream   pq:{q}:jobs
+-- KEYS[4]  jobs stream   pq:{q}:jobs (a queued job's entry is deleted when it is on this stream; one on another
+--                        lane's or group's stream stays, and the worker that reads it skips it: start.lua)
 -- ARGV[1]  JobResult as JSON for a queued job (status cancelled)
 -- ARGV[2]  TTL of the result, event stream and job hash, seconds
 --
@@ -26,6 +27,10 @@ if state ~= 'queued' then
 end
 local ttl = tonumber(ARGV[2])
 -- Not acked: a worker that read the entry already skips it at start (and acks it); one that has not never sees it.
+local entry, stream = unpack(redis.call('HMGET', KEYS[1], 'entry', 'stream'))
+if stream and stream ~= KEYS[4] then
+  entry = nil
+end
 finish({job = KEYS[1], events = KEYS[2], result = KEYS[3], jobs = KEYS[4]}, 'cancelled', 'cancelled', ARGV[1], ttl,
-  nil, redis.call('HGET', KEYS[1], 'entry'))
+  nil, entry)
 return 'cancelled'

@@ -4,7 +4,7 @@
 -- KEYS[1]  job hash      pq:{q}:job:<id>
 -- KEYS[2]  event stream  pq:{q}:events:<id>
 -- KEYS[3]  result key    pq:{q}:result:<id>
--- KEYS[4]  jobs stream   pq:{q}:jobs
+-- KEYS[4]  jobs stream   the stream the job was read from (its lane's or its group's)
 -- ARGV[1]  lease token
 -- ARGV[2]  consumer group
 -- ARGV[3]  stream entry id

@@ -9,6 +9,21 @@
 --   k: {job=, jobs=, events=, result=, dlq=} key names. Copies the job's payload from its stream entry to the
 --   dead-letter stream (capped near `cap` entries), writes the failed result and the terminal "error" event
 --   (with `ttl`), and acks and deletes the entry. Returns the result JSON.
+--
+-- enqueue(q, fields)
+--   q: {stream=, groups=, ready=, bell=, group=} (the lane's keys; group "" for a lane's own stream). Appends
+--   `fields` to the stream; a group's stream is registered in its lane, marked ready and the bell rung, so that
+--   every worker's intake finds it. Returns the entry id.
+local function enqueue(q, fields)
+  local entry = redis.call('XADD', q.stream, '*', unpack(fields))
+  if q.group ~= '' then
+    redis.call('SADD', q.groups, q.group)
+    redis.call('SADD', q.ready, q.group)
+    redis.call('XADD', q.bell, 'MAXLEN', 16, '*', 'g', q.group)
+  end
+  return entry
+end
+
 local function finish(k, state, event, res, ttl, group, entry)
   redis.call('SET', k.result, res, 'EX', ttl)
   redis.call('XADD', k.events, '*', 'e', '{"type":"' .. event .. '","result":' .. res .. '}')

@@ -4,10 +4,13 @@
 -- instead of after a lease timeout. A job that used up its attempts goes to the dead-letter stream instead.
 --
 -- KEYS[1]  job hash      pq:{q}:job:<id>
--- KEYS[2]  jobs stream   pq:{q}:jobs
+-- KEYS[2]  jobs stream   the stream it was read from (its lane's or its group's: see submit.lua)
 -- KEYS[3]  event stream  pq:{q}:events:<id>
 -- KEYS[4]  result key    pq:{q}:result:<id>
 -- KEYS[5]  dead letters  pq:{q}:dlq
+-- KEYS[6]  lane groups   pq:{q}:lane:<lane>:groups (set; touched only for a group's stream)
+-- KEYS[7]  lane ready    pq:{q}:lane:<lane>:ready (set; touched only for a group's stream)
+-- KEYS[8]  bell          pq:{q}:bell
 -- ARGV[1]  consumer group
 -- ARGV[2]  stream entry id
 -- ARGV[3]  lease token
@@ -18,6 +21,7 @@
 -- ARGV[8]  TTL of a dead job's result, event stream and hash, seconds
 -- ARGV[9]  dead-letter stream cap, entries
 -- ARGV[10] worker id
+-- ARGV[11] the job's group; "": none
 --
 -- Returns: {"queued", new entry id} or {"dead", attempts}.
 -- Error replies:
@@ -46,7 +50,8 @@ if not e[1] then
 end
 redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
 redis.call('XDEL', KEYS[2], ARGV[2])
-local entry = redis.call('XADD', KEYS[2], '*', unpack(e[1][2]))
+local entry = enqueue({stream = KEYS[2], groups = KEYS[6], ready = KEYS[7], bell = KEYS[8], group = ARGV[11]},
+  e[1][2])
 redis.call('HSET', KEYS[1], 'state', 'queued', 'entry', entry, 'handbacks', handbacks,
   'last_error', ARGV[5] .. ': ' .. ARGV[6])
 redis.call('HDEL', KEYS[1], 'lease', 'lease_until_ms')

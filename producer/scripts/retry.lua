@@ -5,10 +5,14 @@
 -- KEYS[2]  job hash      pq:{q}:job:<id>
 -- KEYS[3]  event stream  pq:{q}:events:<id>
 -- KEYS[4]  result key    pq:{q}:result:<id>
--- KEYS[5]  jobs stream   pq:{q}:jobs
+-- KEYS[5]  jobs stream   its lane's or its group's (see submit.lua)
+-- KEYS[6]  lane groups   pq:{q}:lane:<lane>:groups (set; touched only for a group's stream)
+-- KEYS[7]  lane ready    pq:{q}:lane:<lane>:ready (set; touched only for a group's stream)
+-- KEYS[8]  bell          pq:{q}:bell
 -- ARGV[1]  dead-letter entry id
 -- ARGV[2]  job id
 -- ARGV[3]  now, unix seconds (the new enqueued_at)
+-- ARGV[4]  the job's group; "": none
 --
 -- Returns: the job's new stream entry id.
 -- Error replies:
@@ -31,7 +35,9 @@ if state and state ~= 'failed' then
   return redis.error_reply('BUSY job ' .. ARGV[2] .. ' is ' .. state)
 end
 redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
-local entry = redis.call('XADD', KEYS[5], '*', 'id', ARGV[2], 'job', payload)
-redis.call('HSET', KEYS[2], 'state', 'queued', 'enqueued_at', ARGV[3], 'attempts', 0, 'entry', entry)
+local entry = enqueue({stream = KEYS[5], groups = KEYS[6], ready = KEYS[7], bell = KEYS[8], group = ARGV[4]},
+  {'id', ARGV[2], 'job', payload})
+redis.call('HSET', KEYS[2], 'state', 'queued', 'enqueued_at', ARGV[3], 'attempts', 0, 'entry', entry,
+  'stream', KEYS[5])
 redis.call('XDEL', KEYS[1], ARGV[1])
 return entry

@@ -5,7 +5,7 @@
 -- workers would otherwise take every job batched with it to the dead-letter stream too.
 --
 -- KEYS[1]  job hash      pq:{q}:job:<id>
--- KEYS[2]  jobs stream   pq:{q}:jobs
+-- KEYS[2]  jobs stream   the stream the job was read from (its lane's or its group's)
 -- KEYS[3]  event stream  pq:{q}:events:<id>
 -- KEYS[4]  result key    pq:{q}:result:<id>
 -- KEYS[5]  dead letters  pq:{q}:dlq
