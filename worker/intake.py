@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import redis as redis_lib
 
 from producer import calls
-from producer.groups import GroupSettings, all_settings
+from producer.groups import GroupSettings
 from producer.keys import GROUP, LANES, Keys
 from worker.pipeline import run_calls
 
