@@ -26,7 +26,7 @@ _GROUP_NAME_RE = re.compile(GROUP_NAME_PATTERN)
 
 def check_queue(queue: str) -> str:
     # Braces would break the hash tag; whitespace and odd characters only make keys hard to type.
-    if not isinstance(queue, str) or not _QUEUE_RE.match(queue):
+    if not isinstance(queue, str) or not _QUEUE_RE.fullmatch(queue):
         raise ValueError(f"queue name must be 1-128 characters of [A-Za-z0-9_.:-], got {queue!r}")
     return queue
 
@@ -38,7 +38,7 @@ def check_lane(lane: str) -> str:
 
 
 def check_group(group: str) -> str:
-    if not isinstance(group, str) or not _GROUP_NAME_RE.match(group):
+    if not isinstance(group, str) or not _GROUP_NAME_RE.fullmatch(group):
         raise ValueError(f"group must be 1-128 characters of [A-Za-z0-9_.:@-], got {group!r}")
     return group
 

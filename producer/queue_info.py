@@ -73,8 +73,9 @@ def _summary(now_ms: int, infos: list[dict]) -> dict:
 
 def queue_info(r: redis_lib.Redis, keys: Keys) -> dict:
     """length (queued + running), waiting, pending, the oldest job's age (any, delivered, not yet delivered; None
-    when there is none) over every lane and group; the same per lane (`lanes`); dead letters; and the workers'
-    consumers (their pending entries summed over the streams)."""
+    when there is none) over every lane and group; the same per lane (`lanes`) and per group's stream (`groups`,
+    each with its lane); dead letters; and the workers' consumers (their pending entries summed over the
+    streams)."""
     # TIME names no key, so a cluster pipeline cannot route it: it goes apart (to any node; their clocks agree
     # far better than the ages shown need).
     now_s, now_us = r.time()
@@ -91,5 +92,7 @@ def queue_info(r: redis_lib.Redis, keys: Keys) -> dict:
              for lane in LANES}
     for lane in LANES:
         lanes[lane]["groups"] = sum(1 for ln, g in streams if ln == lane and g is not None)
-    return {"queue": keys.queue, **_summary(now_ms, infos), "lanes": lanes, "dead_letters": r.xlen(keys.dlq),
-            "consumers": sorted(consumers.values(), key=lambda c: c["name"])}
+    groups = [{"lane": lane, "group": g, **_summary(now_ms, [info])}
+              for (lane, g), info in zip(streams, infos, strict=True) if g is not None]
+    return {"queue": keys.queue, **_summary(now_ms, infos), "lanes": lanes, "groups": groups,
+            "dead_letters": r.xlen(keys.dlq), "consumers": sorted(consumers.values(), key=lambda c: c["name"])}

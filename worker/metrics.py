@@ -34,6 +34,9 @@ class _Nop:
     def set(self, *a: Any) -> None:
         pass
 
+    def remove(self, *a: Any) -> None:
+        pass
+
     def observe(self, *a: Any) -> None:
         pass
 
@@ -54,8 +57,11 @@ class Metrics:
                      "lease_losses", "unreplicated", "resent_tokens", "steps", "failed_steps", "convicted", "step_seconds", "publish_seconds", "batch_seqs", "batch_tokens",
                      "queue_wait", "ttft", "tpot", "e2e", "running", "running_seqs", "waiting_seqs",
                      "pending_acks", "kv_free", "kv_used", "kv_total", "depth", "pending", "oldest_pending_age",
-                     "oldest_waiting_age", "dlq_length", "live_workers"):
+                     "oldest_waiting_age", "dlq_length", "live_workers", "lane_started", "lane_wait", "lane_ttft",
+                     "lane_tokens", "lane_depth", "lane_waiting_age", "group_started", "group_wait", "group_tokens",
+                     "group_depth"):
             setattr(self, name, nop)
+        self.group_labels: set[tuple[str, str]] = set()  # (lane, group) of the group_depth gauges set now
         if port is None:
             return
         try:
@@ -129,7 +135,33 @@ class Metrics:
                                         "Age of the oldest job no worker has taken yet")
         self.dlq_length = gauge("pagedq_queue_dead_letters", "Entries in the queue's dead-letter stream")
         self.live_workers = gauge("pagedq_queue_live_workers", "Workers of the queue with a live heartbeat")
+        self._lanes_and_groups(pc, reg)
         pc.start_http_server(port, registry=reg)
+
+    def _lanes_and_groups(self, pc: Any, reg: Any) -> None:
+        """Per lane and per fair-share group. A group label takes one series per group that ran a job (API keys,
+        customers): the per-group ones are counters of sums, no histograms, to keep that cheap."""
+        lane, group = ["queue", "lane"], ["queue", "lane", "group"]
+        self.lane_started = pc.Counter("pagedq_lane_jobs_started", "Jobs started, by lane", lane, registry=reg)
+        self.lane_wait = pc.Histogram("pagedq_lane_queue_wait_seconds", "Enqueue to start on a worker, by lane",
+                                      lane, registry=reg, buckets=QUEUE_WAIT_BUCKETS)
+        self.lane_ttft = pc.Histogram("pagedq_lane_time_to_first_token_seconds", "Enqueue to the first output "
+                                      "token, by lane", lane, registry=reg, buckets=TTFT_BUCKETS)
+        self.lane_tokens = pc.Counter("pagedq_lane_generated_tokens", "Output tokens of the jobs finished, by lane",
+                                      lane, registry=reg)
+        self.lane_depth = pc.Gauge("pagedq_lane_depth", "Jobs in the lane's streams: waiting and running", lane,
+                                   registry=reg)
+        self.lane_waiting_age = pc.Gauge("pagedq_lane_oldest_waiting_age_seconds", "Age of the lane's oldest job "
+                                         "no worker has taken yet", lane, registry=reg)
+        self.group_started = pc.Counter("pagedq_group_jobs_started", "Jobs started, by lane and group", group,
+                                        registry=reg)
+        self.group_wait = pc.Counter("pagedq_group_queue_wait_seconds", "Sum of enqueue-to-start times of the "
+                                     "jobs started (divide by pagedq_group_jobs_started for the mean)", group,
+                                     registry=reg)
+        self.group_tokens = pc.Counter("pagedq_group_generated_tokens", "Output tokens of the jobs finished, by "
+                                       "lane and group", group, registry=reg)
+        self.group_depth = pc.Gauge("pagedq_group_depth", "Jobs in a group's stream of a lane: waiting and "
+                                    "running", group, registry=reg)
 
     # ---- job life ------------------------------------------------------------------------------------------
 
@@ -138,22 +170,35 @@ class Metrics:
             self.jobs_finished += 1
         self.jobs.labels(queue=self.queue, model=self.model, status=status).inc()
 
-    def job_started(self, enqueued_at: float | None, started_at: float, prompt_tokens: int, attempts: int) -> None:
+    def job_started(self, enqueued_at: float | None, started_at: float, prompt_tokens: int, attempts: int,
+                    lane: str, group: str | None) -> None:
+        self.lane_started.labels(self.queue, lane).inc()
+        if group is not None:
+            self.group_started.labels(self.queue, lane, group).inc()
         if enqueued_at is not None:
-            self.queue_wait.observe(max(0.0, started_at - enqueued_at))
+            wait = max(0.0, started_at - enqueued_at)
+            self.queue_wait.observe(wait)
+            self.lane_wait.labels(self.queue, lane).observe(wait)
+            if group is not None:
+                self.group_wait.labels(self.queue, lane, group).inc(wait)
         self.prompt_tokens.inc(prompt_tokens)
         if attempts > 1:
             self.retries.inc()
 
-    def first_token(self, enqueued_at: float | None, started_at: float, now: float, cached_tokens: int) -> None:
+    def first_token(self, enqueued_at: float | None, started_at: float, now: float, cached_tokens: int,
+                    lane: str) -> None:
         ttft = max(0.0, now - (enqueued_at if enqueued_at is not None else started_at))
         self.ttft.observe(ttft)
+        self.lane_ttft.labels(self.queue, lane).observe(ttft)
         self.window.ttft(ttft)
         self.cached_tokens.inc(cached_tokens)
 
     def finished(self, enqueued_at: float | None, started_at: float, first_token_at: float | None, now: float,
-                 output_tokens: int) -> None:
+                 output_tokens: int, lane: str, group: str | None) -> None:
         """A job the engine finished (stop or length), with the output tokens of this delivery."""
+        self.lane_tokens.labels(self.queue, lane).inc(output_tokens)
+        if group is not None:
+            self.group_tokens.labels(self.queue, lane, group).inc(output_tokens)
         self.e2e.observe(max(0.0, now - (enqueued_at if enqueued_at is not None else started_at)))
         if first_token_at is not None and output_tokens > 1:
             tpot = max(0.0, now - first_token_at) / (output_tokens - 1)
@@ -202,3 +247,12 @@ class Metrics:
         self.oldest_pending_age.set(info.get("oldest_pending_age_s") or 0)
         self.oldest_waiting_age.set(info.get("oldest_waiting_age_s") or 0)
         self.dlq_length.set(info.get("dead_letters", 0))
+        for lane, x in info.get("lanes", {}).items():
+            self.lane_depth.labels(self.queue, lane).set(x["length"])
+            self.lane_waiting_age.labels(self.queue, lane).set(x.get("oldest_waiting_age_s") or 0)
+        groups = {(x["lane"], x["group"]): x["length"] for x in info.get("groups", [])}
+        for lane, group in self.group_labels - groups.keys():  # its stream is gone: so is its series
+            self.group_depth.remove(self.queue, lane, group)
+        for (lane, group), length in groups.items():
+            self.group_depth.labels(self.queue, lane, group).set(length)
+        self.group_labels = set(groups)

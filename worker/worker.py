@@ -279,7 +279,8 @@ class Worker:
                 self.publisher.end(job, wire.EXPIRED, "expired")
                 return
         if self._enter(job):
-            self.metrics.job_started(job.enqueued_at, job.started_at, job.prompt_tokens, job.attempts)
+            self.metrics.job_started(job.enqueued_at, job.started_at, job.prompt_tokens, job.attempts, job.lane,
+                                     job.group)
 
     def _enter(self, job: RunningJob) -> bool:
         """Put a job the worker holds into the engine, going on from what it streamed before (job.resumed) ->
@@ -482,10 +483,10 @@ class Worker:
         if batch.seqs:
             m.step(len(batch.seqs), batch.num_tokens, len(batch.preempted), generated)
         for job, out in firsts:
-            m.first_token(job.enqueued_at, job.started_at, now, out.num_cached_tokens)
+            m.first_token(job.enqueued_at, job.started_at, now, out.num_cached_tokens, job.lane)
         for job, out in ends:
             m.finished(job.enqueued_at, job.started_at, job.first_token_at, now,
-                       sum(len(c.token_ids) for c in out.choices) - job.resumed_tokens)
+                       sum(len(c.token_ids) for c in out.choices) - job.resumed_tokens, job.lane, job.group)
         m.engine_state(eng.num_running, eng.num_waiting, eng.num_free_blocks, eng.num_total_blocks)
 
     def _static_info(self) -> dict:
