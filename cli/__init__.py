@@ -12,6 +12,7 @@ from cli import errors
 from cli.dashboard import dashboard
 from cli.demo import demo, redis
 from cli.dlq import dlq
+from cli.groups import groups
 from cli.jobs import cancel, result, status, submit, workers
 from cli.kernels import kernels
 from cli.model_files import models
@@ -30,7 +31,7 @@ def main() -> None:
     its help shows."""
 
 
-COMMANDS = (worker, submit, result, status, workers, cancel, dashboard, dlq, redis, models, kernels, demo, bench,
+COMMANDS = (worker, submit, result, status, workers, cancel, dashboard, dlq, groups, redis, models, kernels, demo, bench,
             gpu_check_command, serve, batch, usage)
 for command in COMMANDS:
     main.add_command(command)

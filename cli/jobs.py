@@ -11,6 +11,7 @@ import click
 from cli import errors
 from cli.errors import CliError
 from cli.options import default_of, queue_options
+from producer.keys import DEFAULT_LANE, LANES
 from producer.protocol import JobRequest
 
 
@@ -27,12 +28,17 @@ from producer.protocol import JobRequest
 @click.option("--no-wait", is_flag=True, help="Print the job id and return")
 @click.option("--timeout", type=float, default=None, help="Seconds to wait for the result")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON")
+@click.option("--lane", type=click.Choice(LANES), default=DEFAULT_LANE, help="Priority lane, most urgent first")
+@click.option("--priority", type=int, default=default_of(JobRequest, "priority"),
+              help="Within the lane and the worker's batch: lower runs first")
+@click.option("--group", default=None, help="Fair-share group (see `pagedq groups`)")
 def submit(redis_url, queue, prompt, chat, stream, max_tokens, temperature, model, job_id, no_wait, timeout,
-           as_json) -> None:
+           as_json, lane, priority, group) -> None:
     """Enqueue one job and print its result (or stream it)."""
     from producer import Client, DuplicateJobError
 
-    fields = {"max_tokens": max_tokens, "temperature": temperature, "model": model}
+    fields = {"max_tokens": max_tokens, "temperature": temperature, "model": model, "lane": lane,
+              "priority": priority, "group": group}
     if job_id:
         fields["id"] = job_id
     if chat:

@@ -48,6 +48,11 @@ def queue_table(info: dict) -> str:
              f"  depth {info['length']}, oldest job {_age(info.get('oldest_age_s'))}, oldest waiting "
              f"{_age(info.get('oldest_waiting_age_s'))}, oldest running {_age(info.get('oldest_pending_age_s'))}, "
              f"{info.get('dead_letters', 0)} dead letters"]
+    lanes = info.get("lanes") or {}
+    if any(x["length"] for x in lanes.values()):
+        lines.append("  lanes: " + "; ".join(
+            f"{lane} {x['waiting']} waiting, {x['pending']} running, oldest waiting {_age(x.get('oldest_waiting_age_s'))}"
+            + (f", {x['groups']} groups" if x.get("groups") else "") for lane, x in lanes.items()))
     if workers:
         lines.append(_table(WORKER_HEADER, [worker_row(w) for w in workers]))
     stale = [c for c in info["consumers"] if not c.get("alive")]

@@ -33,8 +33,9 @@ F_EMITTED = "emitted"  # output tokens its event stream holds
 F_CANCEL = "cancel"  # set by a client while it runs: its worker stops it at the next step
 F_LAST_ERROR = "last_error"  # why its last delivery gave it back ("type: message")
 F_OWNER = "owner"  # the key id of the `pagedq serve` API key that submitted it (absent: no key)
+F_STREAM = "stream"  # the stream it is queued on: its lane's or its group's (absent: pq:{q}:jobs)
 JOB_FIELDS = (F_STATE, F_ENTRY, F_ENQUEUED_AT, F_ATTEMPTS, F_HANDBACKS, F_LEASE, F_LEASE_UNTIL_MS, F_WORKER,
-              F_STARTED_AT, F_EMITTED, F_CANCEL, F_LAST_ERROR, F_OWNER)
+              F_STARTED_AT, F_EMITTED, F_CANCEL, F_LAST_ERROR, F_OWNER, F_STREAM)
 
 # ---- the hashes of an API key of `pagedq serve` (producer.keys.ApiKeyKeys), written by limit.lua ----
 LIMIT_FIELDS = ("req", "tok", "at")  # its rate-limit buckets (requests, tokens) and when they were last filled

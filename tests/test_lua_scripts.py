@@ -8,6 +8,7 @@ the way the clients and the worker read them. The last test checks that every co
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -294,6 +295,10 @@ def test_cancel(q):
     # A queued job whose hash lost its entry (written by hand): cancelled all the same.
     q.r.hset(q.k.job("bare"), mapping={wire.F_STATE: wire.QUEUED})
     assert q.run(calls.cancel(q.k, "bare", 60)) == "cancelled"
+    # On another lane's stream: cancelled, its entry left for the worker that reads it to skip.
+    q.run(calls.submit(q.k, JobRequest(id="urgent", prompt="x", lane="interactive")))
+    assert q.run(calls.cancel(q.k, "urgent", 60)) == "cancelled"
+    assert q.r.xlen(q.k.stream("interactive")) == 1 and q.state("urgent") == wire.CANCELLED
 
 
 # ---- release ----
@@ -343,6 +348,33 @@ def test_retry(q):
     entry = q.run(calls.retry(q.k, full, "a"))
     assert q.state("a") == wire.QUEUED and q.r.hget(q.k.job("a"), wire.F_ENTRY) == entry
     assert q.r.hget(q.k.job("a"), wire.F_ATTEMPTS) == "0"
+
+
+def test_retry_to_a_group(q):
+    dead = q.r.xadd(q.k.dlq, {"id": "g", wire.ENTRY_JOB: '{"prompt":"hi","lane":"batch","group":"acme"}'})
+    entry = q.run(calls.retry(q.k, dead, "g", "batch", "acme"))
+    assert q.r.xrange(q.k.stream("batch", "acme"))[0][0] == entry
+    assert q.r.smembers(q.k.ready("batch")) == {"acme"} and q.r.xlen(q.k.bell) == 1
+
+
+# ---- take and prune (a worker's intake: lanes and groups) ----
+
+def test_take_and_prune(q):
+    take = functools.partial(calls.take, q.k, "w1")
+    assert q.run(take("batch", "nobody", 5)) == []  # no stream: nothing, and not ready
+    assert q.run(take("interactive", None, 5)) == []
+    q.run(calls.submit(q.k, JobRequest(id="a", prompt="x", lane="batch", group="acme")))
+    q.run(calls.submit(q.k, JobRequest(id="b", prompt="x", lane="batch", group="acme")))
+    (first,) = q.run(take("batch", "acme", 1))  # makes the group's consumer group; one left: still ready
+    assert first[1]["id"] == "a" and q.r.smembers(q.k.ready("batch")) == {"acme"}
+    (second,) = q.run(take("batch", "acme", 5))  # drained: leaves the ready set
+    assert second[1]["id"] == "b" and q.r.smembers(q.k.ready("batch")) == set()
+    q.r.xgroup_create(q.k.stream("batch"), GROUP, id="0", mkstream=True)
+    assert q.run(take("batch", None, 5)) == []  # a lane's own stream: no ready set to keep
+    assert q.run(calls.prune(q.k, "batch", "acme")) is False  # holds its two running jobs
+    q.r.xdel(q.k.stream("batch", "acme"), first[0], second[0])
+    assert q.run(calls.prune(q.k, "batch", "acme")) is True
+    assert not q.r.exists(q.k.stream("batch", "acme")) and q.r.smembers(q.k.lane_groups("batch")) == set()
 
 
 # ---- remove_consumer (a gone worker leaves the group) ----

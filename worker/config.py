@@ -34,4 +34,7 @@ class WorkerConfig:
     durability: str = defaults.DURABILITY  # async | replicated: each write waits for replicas (producer.durability)
     durability_replicas: int = defaults.DURABILITY_REPLICAS
     durability_timeout_ms: int = defaults.DURABILITY_TIMEOUT_MS
+    # Of every lane_floor + 1 jobs taken while a lower lane has jobs waiting, at least one is that lane's
+    # (worker/intake.py): urgent lanes first, yet a batch is never starved.
+    lane_floor: int = 10
     strict: bool = False  # refuse to start on a Redis that may evict keys (a maxmemory-policy but noeviction)

@@ -14,15 +14,20 @@ from producer.keys import GROUP, Keys
 
 
 def remove_consumer(r: redis_lib.Redis, keys: Keys, name: str, min_idle_ms: int) -> bool:
-    """Delete consumer `name` if it holds no pending entry, was idle `min_idle_ms` and has no heartbeat."""
-    return flows.drive(r, flows.run_call(calls.remove_consumer(keys, name, min_idle_ms)))
+    """Delete consumer `name` from each lane's stream where it holds no pending entry, was idle `min_idle_ms` and
+    has no heartbeat (a group's stream drops its consumers with it, once empty). True when it left any."""
+    return any([flows.drive(r, flows.run_call(calls.remove_consumer(keys, name, min_idle_ms, stream)))
+                for stream in keys.lane_streams()])
 
 
 def prune_dead_consumers(r: redis_lib.Redis, keys: Keys, min_idle_ms: int) -> list[str]:
-    """Delete every consumer of the queue's group that looks gone (see remove_consumer); returns their names."""
-    try:
-        consumers = r.xinfo_consumers(keys.jobs, GROUP)
-    except redis_lib.ResponseError:  # no stream or no group yet
-        return []
-    return [c["name"] for c in consumers
-            if c["pending"] == 0 and c["idle"] >= min_idle_ms and remove_consumer(r, keys, c["name"], min_idle_ms)]
+    """Delete every consumer of the lanes' groups that looks gone (see remove_consumer); returns their names."""
+    gone: set[str] = set()
+    for stream in keys.lane_streams():
+        try:
+            consumers = r.xinfo_consumers(stream, GROUP)
+        except redis_lib.ResponseError:  # no stream or no group yet
+            continue
+        gone.update(c["name"] for c in consumers if c["pending"] == 0 and c["idle"] >= min_idle_ms and
+                    flows.drive(r, flows.run_call(calls.remove_consumer(keys, c["name"], min_idle_ms, stream))))
+    return sorted(gone)

@@ -21,9 +21,11 @@ import redis as redis_lib
 from producer import calls, scripts, wire
 from producer.connection import connect, is_cluster
 from producer.durability import Durability
-from producer.keys import GROUP, Keys
+from producer.keys import GROUP, LANES, Keys
+from producer.protocol import INT32_MAX
 from worker.config import WorkerConfig
 from worker.heartbeat import Heartbeat
+from worker.intake import Intake, Taken, engine_priority
 from worker.job import RunningJob
 from worker.leases import LeaseKeeper
 from worker.metrics import Metrics
@@ -78,9 +80,10 @@ class Worker:
                                    self._live_state, config.lease_ms)
         self.leases = LeaseKeeper(self.r, self.keys, self.settings, lambda: list(self.active.copy().values()),
                                   self.publisher.notices, self.heartbeat, self.durability, self.metrics)
+        self.intake = Intake(self.r, self.keys, self.id, config.lane_floor)
         # Jobs on their last delivery after failed ones (start.lua said "later"): each runs alone, once the
         # engine is empty, so that a job that kills its workers takes no other job down with it.
-        self.deferred: list[tuple[str, dict]] = []
+        self.deferred: list[Taken] = []
         self.solo: str | None = None  # the job running alone now
         # After a step raised: the search for its cause, and the jobs held out of the engine meanwhile (leased).
         self.quarantine: Quarantine | None = None
@@ -88,7 +91,6 @@ class Worker:
         self.steps = 0
         self.busy = False  # the engine had requests at the loop's last look
         self.next_reap = 0.0
-        self.reap_cursor = "0-0"
 
     def stop(self) -> None:
         """Ask the loop to stop taking jobs; it finishes what it runs (up to drain_timeout), then returns."""
@@ -137,11 +139,17 @@ class Worker:
             self.leases.refresh()
 
     def _setup(self) -> None:
-        try:
-            self.r.xgroup_create(self.keys.jobs, GROUP, id="0", mkstream=True)
-        except redis_lib.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
+        # The lanes' own streams always exist, so that a bare XADD to one is read (groups' streams get their
+        # consumer group from take.lua).
+        for stream in self.keys.lane_streams():
+            try:
+                self.r.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            except redis_lib.ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
+            # A read that finds nothing does not make the consumer: made here, the worker is in the group (and in
+            # `pagedq status`) before its first job.
+            self.r.xgroup_createconsumer(stream, GROUP, self.id)
         scripts.load_all(self.r)
 
     def _intake(self) -> None:
@@ -150,39 +158,35 @@ class Worker:
         # PEL = jobs in the engine + finished jobs not yet acked + what we read now <= what the engine admits.
         room = self.engine.num_admittable() - self.publisher.pending_acks
         idle = not self.engine.has_unfinished_requests()
-        if room <= 0:
-            if idle:  # only un-acked results hold the room: wait for the publisher, not for Redis
-                self.publisher.wait_acks(self.publisher.pending_acks, 0.05)
-            return
         try:
+            if room <= 0:
+                if idle:  # only un-acked results hold the room: wait for the publisher, not for Redis
+                    self.publisher.wait_acks(self.publisher.pending_acks, 0.05)
+                elif getattr(self.engine.config, "preempt_for_priority", False):  # TEMP until the engine's lands
+                    self._urgent()
+                return
             if time.monotonic() >= self.next_reap:
-                room -= self._reap(room)
+                self.next_reap = time.monotonic() + self.cfg.lease_ms / 2000
+                room -= self._admit(self.intake.reap(room, self.cfg.lease_ms))
                 if room <= 0:
                     return
-            reply = self.r.xreadgroup(GROUP, self.id, {self.keys.jobs: ">"}, count=room,
-                                      block=min(self.cfg.block_ms, self.cfg.lease_ms // 2) if idle else None)
-            if reply:
-                self._admit(reply[0][1])
+            if not self._admit(self.intake.read(room, note_wake=idle)) and idle:
+                self.intake.wait(min(self.cfg.block_ms, self.cfg.lease_ms // 2))
         except (redis_lib.ConnectionError, redis_lib.TimeoutError) as e:
             # Keep stepping what runs; take new jobs once Redis is back.
             log.warning("intake: redis unreachable (%s)", e)
             if idle:
                 time.sleep(1.0)
 
-    def _reap(self, room: int) -> int:
-        """Take over entries whose holder stopped renewing (crashed, frozen, cut off); returns how many."""
-        self.next_reap = time.monotonic() + self.cfg.lease_ms / 2000
-        reply = self.r.xautoclaim(self.keys.jobs, GROUP, self.id, self.cfg.lease_ms, self.reap_cursor,
-                                  count=room)
-        self.reap_cursor, entries = reply[0], reply[1]
-        gone = [e for e, f in entries if f is None]
-        if gone:  # deleted while pending (cancelled while queued): nothing to run; clear them from the PEL
-            self.r.xack(self.keys.jobs, GROUP, *gone)
-        entries = [(e, f) for e, f in entries if f is not None]
-        if entries:
-            log.info("reaper: reclaimed %d stalled jobs", len(entries))
-            self._admit(entries)
-        return len(entries)
+    def _urgent(self) -> None:
+        """The batch is full: read jobs of a lane above that of running jobs, which the engine preempts for (as
+        many as it has jobs below to preempt, less those read for it already and not started yet)."""
+        for rank, lane in enumerate(LANES[:-1]):
+            below = self.engine.num_preemptible(engine_priority(lane, INT32_MAX))
+            waiting = sum(1 for job in self.active.values()
+                          if job.first_token_at is None and LANES.index(job.lane) <= rank)
+            if below > waiting and self._admit(self.intake.read(below - waiting, lanes=LANES[:rank + 1])):
+                return
 
     def _alone_gate(self) -> bool:
         """True while a job runs alone or waits to: intake takes nothing new then. Starts the next waiting one
@@ -196,14 +200,18 @@ class Worker:
             self._admit([self.deferred.pop(0)], alone=True)
         return True
 
-    def _admit(self, entries: list, alone: bool = False) -> None:
+    def _admit(self, entries: list[Taken], alone: bool = False) -> int:
+        """Start the jobs read; returns how many entries there were."""
+        entries = self._forget_deleted(entries)
+        if not entries:
+            return 0
         now = time.time()
         # A foreign producer may XADD without an id field: the entry id names the job then.
-        taken = [(calls.Delivery((f or {}).get(wire.ENTRY_ID) or entry, entry, secrets.token_hex(8)), f or {})
-                 for entry, f in entries]
+        taken = [(calls.Delivery(t.fields.get(wire.ENTRY_ID) or t.entry, t.entry, secrets.token_hex(8), t.lane,
+                                 t.group), t) for t in entries]
         outs = run_calls_noting(self.r, [calls.start(self.keys, d, self.settings, now, alone) for d, _ in taken],
                                 self.durability, self.metrics)
-        for (d, fields), out in zip(taken, outs, strict=True):
+        for (d, t), out in zip(taken, outs, strict=True):
             if isinstance(out, Exception):
                 log.error("job %s: start failed: %s", d.job_id, out)
             elif out.outcome == "dead":
@@ -213,10 +221,19 @@ class Worker:
                 log.info("job %s: skipped (%s)", d.job_id, out.state)
             elif out.outcome == "later":
                 log.warning("job %s: its last delivery after failed ones: it will run alone", d.job_id)
-                self.deferred.append((d.entry, fields))
+                self.deferred.append(t)
             elif out.outcome == "ok":
                 self.solo = d.job_id if alone else self.solo
-                self._begin(d, fields, out, now)
+                self._begin(d, t.fields, out, now)
+        return len(entries)
+
+    def _forget_deleted(self, entries: list[Taken]) -> list[Taken]:
+        """A reclaim finds entries deleted while pending (cancelled while queued) as bare ids: nothing to run; they
+        leave the pending list here."""
+        for t in entries:
+            if t.fields is None:
+                self.r.xack(self.keys.stream(t.lane, t.group), GROUP, t.entry)
+        return [t for t in entries if t.fields is not None]
 
     def _begin(self, d: calls.Delivery, fields: dict, started: calls.Started, now: float) -> None:
         """Run a job this worker now holds: add it to the engine, or end it at once with a clear reason."""
@@ -224,7 +241,7 @@ class Worker:
         if job_id in self.active:  # our own job, reclaimed after our renewals failed: run it afresh from its stream
             self._drop(job_id)
         job = RunningJob(id=job_id, entry=d.entry, lease=d.lease, attempts=started.attempts,
-                         enqueued_at=started.enqueued_at, started_at=now)
+                         enqueued_at=started.enqueued_at, started_at=now, lane=d.lane, group=d.group)
 
         def begin() -> None:
             if started.emitted:
@@ -278,8 +295,8 @@ class Worker:
             return False
         resume = {i: (tokens, text, reason) for i, tokens, text, reason in job.resumed}
         try:
-            self.engine.add_request(job.id, prompt_token_ids=ids, params=params, priority=req.priority,
-                                    resume=resume)
+            self.engine.add_request(job.id, prompt_token_ids=ids, params=params,
+                                    priority=engine_priority(job.lane, req.priority), resume=resume)  # TEMP deadline
         except ValueError as e:
             raise Rejected("invalid_request", str(e)) from None
         self.active[job.id] = job

@@ -1,0 +1,244 @@
+"""Which queued jobs a worker reads next, and from which stream.
+
+Lanes (producer.keys.LANES) are read most urgent first. A lower lane has a floor share: once the lanes above it
+took `floor` jobs while it waited, its next job comes first, so a steady stream of interactive jobs slows a batch
+down but never stops it. Inside a lane, the lane's own stream (jobs without a group) and each group's stream
+share by weight with stride scheduling: each takes its next job in the order of its pass (jobs taken / weight),
+and a group that comes back after a pause joins at the lane's current pass, not with credit saved up. A group
+at its max_running (counted over every worker: its streams' pending entries) takes nothing until one ends.
+
+Every worker runs this over its own intake, so N workers share by the same weights. The unit is a job: jobs of
+one size share tokens by the weights too; a group of longer jobs gets more tokens per job.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import redis as redis_lib
+
+from producer import calls
+from producer.groups import GroupSettings
+from producer.keys import GROUP, LANES, Keys
+from worker.pipeline import run_calls
+
+log = logging.getLogger("pagedq.worker")
+SETTINGS_TTL_S = 2.0  # how soon a change made with `pagedq groups` reaches every worker's intake
+DEFAULT_FLOOR = 10
+# Round trips one read may take: every round but the last finds at least one stream drained (a lane's own stream,
+# whose backlog is not known before it is read, or a group's); what is left after these waits for the next read.
+MAX_ROUNDS = 6
+
+Source = tuple[str, str | None]  # a stream, as (lane, group); group None: the lane's own stream
+LANE_SPAN = 2**32  # wider than JobRequest.priority's range: the engine orders by lane first, then priority
+
+
+def engine_priority(lane: str, priority: int) -> int:
+    """The priority the engine orders (and preempts) by: a job of a more urgent lane comes before every job of a
+    lower one, whatever their own priorities."""
+    return LANES.index(lane) * LANE_SPAN + priority
+
+
+@dataclass(frozen=True)
+class Taken:
+    """A job read from a stream (not started yet)."""
+
+    lane: str
+    group: str | None
+    entry: str
+    fields: dict | None  # None: the entry was deleted while pending (a reclaim found only its id)
+
+
+class Intake:
+    def __init__(self, r, keys: Keys, worker_id: str, floor: int = DEFAULT_FLOOR) -> None:
+        if floor < 1:
+            raise ValueError(f"the lane floor must be at least 1 job, got {floor}")
+        self.r = r
+        self.keys = keys
+        self.worker_id = worker_id
+        self.floor = floor
+        self.passes: dict[Source, float] = {}
+        self.lane_pass = dict.fromkeys(LANES, 0.0)  # the pass of the lane's last pick: where a returning group joins
+        self.behind = dict.fromkeys(LANES, 0)  # jobs the lanes above took since this lane last took one
+        self.settings: dict[str, GroupSettings] = {}
+        self.settings_until = -math.inf
+        self.wake_ids: list[str] | None = None
+        self.reap_cursors: dict[str, str] = {}
+
+    # ---- reading -------------------------------------------------------------------------------------------
+
+    def read(self, room: int, lanes: tuple[str, ...] = LANES, note_wake: bool = False) -> list[Taken]:
+        """Up to `room` jobs from `lanes`. note_wake: also note where every stream ends now, for wait()."""
+        ready = self._look(lanes, note_wake)
+        running = self._running(ready)
+        taken: list[Taken] = []
+        offered: Counter[str] = Counter()
+        for round_ in range(MAX_ROUNDS):  # each next round gives what drained streams left over to the others
+            plan = self._plan(room - len(taken), lanes, ready, running, floor=round_ == 0)
+            if not plan:
+                break
+            got = self._take(plan)
+            taken += got
+            counts = Counter((t.lane, t.group) for t in got)
+            running.update(t.group for t in got if t.group is not None)
+            for (lane, group), n in plan.items():
+                offered[lane] += n
+                if counts[(lane, group)] < n:  # drained: out of this read, and its unused turns given back
+                    ready[lane].discard(group)
+                    self.passes[(lane, group)] -= (n - counts[(lane, group)]) / self._weight(group)
+            if len(got) == sum(plan.values()):
+                break
+        self._note_lanes(taken, lanes, offered)
+        return taken
+
+    def _look(self, lanes: tuple[str, ...], note_wake: bool) -> dict[str, set[str | None]]:
+        """Per lane, the streams that may hold unread jobs: its own, and its ready groups'."""
+        refresh = time.monotonic() >= self.settings_until
+        pipe = self.r.pipeline(transaction=False)
+        if note_wake:  # before the reads: a job queued after them rings after these ids
+            for stream in self._wake_streams():
+                pipe.xrevrange(stream, count=1)
+        for lane in lanes:
+            pipe.smembers(self.keys.ready(lane))
+        if refresh:
+            pipe.hgetall(self.keys.groups)
+        replies = pipe.execute()
+        if note_wake:
+            n = len(self._wake_streams())
+            self.wake_ids = [last[0][0] if last else "0-0" for last in replies[:n]]
+            replies = replies[n:]
+        if refresh:
+            self.settings = {g: GroupSettings.parse(v) for g, v in replies.pop().items()}
+            self.settings_until = time.monotonic() + SETTINGS_TTL_S
+        return {lane: {None, *members} for lane, members in zip(lanes, replies, strict=True)}
+
+    def _running(self, ready: dict[str, set[str | None]]) -> Counter[str]:
+        """Jobs running now (over every worker) of each ready group that has a cap."""
+        capped = sorted({g for groups in ready.values() for g in groups
+                         if g is not None and self._settings(g).max_running is not None})
+        if not capped:
+            return Counter()
+        pipe = self.r.pipeline(transaction=False)
+        for g in capped:
+            for lane in LANES:
+                pipe.xpending(self.keys.stream(lane, g), GROUP)
+        replies = pipe.execute(raise_on_error=False)
+        running: Counter[str] = Counter()
+        for i, g in enumerate(capped):
+            running[g] = sum(int(x["pending"]) for x in replies[i * len(LANES):(i + 1) * len(LANES)]
+                             if not isinstance(x, Exception))
+        return running
+
+    def _plan(self, room: int, lanes: tuple[str, ...], ready: dict[str, set[str | None]], running: Counter[str],
+              floor: bool) -> Counter[Source]:
+        """How many jobs to read from each stream: the floor's turns first (floor), then lane by lane."""
+        plan: Counter[Source] = Counter()
+        for lane in lanes[1:] if floor else ():
+            if room > 0 and self.behind[lane] >= self.floor and self._pick(lane, ready[lane], running, plan):
+                room -= 1
+        for lane in lanes:
+            while room > 0 and self._pick(lane, ready[lane], running, plan):
+                room -= 1
+        return plan
+
+    def _pick(self, lane: str, streams: set[str | None], running: Counter[str], plan: Counter[Source]) -> bool:
+        """One more job for the lane's stream of least pass that may take one; False when none may."""
+        best, best_pass = None, math.inf
+        for group in sorted(streams, key=lambda g: (g is not None, g or "")):
+            if group is not None and not self._has_room(group, running, plan):
+                continue
+            p = max(self.passes.get((lane, group), 0.0), self.lane_pass[lane])
+            if p < best_pass:
+                best, best_pass = group, p
+        if best_pass == math.inf:
+            return False
+        self.lane_pass[lane] = best_pass
+        self.passes[(lane, best)] = best_pass + 1 / self._weight(best)
+        plan[(lane, best)] += 1
+        return True
+
+    def _has_room(self, group: str, running: Counter[str], plan: Counter[Source]) -> bool:
+        cap = self._settings(group).max_running
+        return cap is None or running[group] + sum(plan[(lane, group)] for lane in LANES) < cap
+
+    def _take(self, plan: Counter[Source]) -> list[Taken]:
+        sources = list(plan)
+        outs = run_calls(self.r, [calls.take(self.keys, self.worker_id, lane, group, plan[(lane, group)])
+                                  for lane, group in sources], retries=0)
+        taken = []
+        for (lane, group), out in zip(sources, outs, strict=True):
+            if isinstance(out, Exception):
+                log.error("intake: reading %s failed: %s", self.keys.stream(lane, group), out)
+                continue
+            taken += [Taken(lane, group, entry, fields) for entry, fields in out]
+        return taken
+
+    def _note_lanes(self, taken: list[Taken], lanes: tuple[str, ...], offered: Counter[str]) -> None:
+        """The floor's count: a lane that took a job, or had none to take, is not behind."""
+        got = Counter(t.lane for t in taken)
+        above = 0
+        for lane in LANES:
+            if got[lane] or (lane in lanes and offered[lane] and not got[lane]):
+                self.behind[lane] = 0
+            else:
+                self.behind[lane] += above
+            above += got[lane]
+
+    def _settings(self, group: str | None) -> GroupSettings:
+        return self.settings.get(group, GroupSettings()) if group is not None else GroupSettings()
+
+    def _weight(self, group: str | None) -> int:
+        return self._settings(group).weight
+
+    # ---- waiting, reclaiming -------------------------------------------------------------------------------
+
+    def _wake_streams(self) -> list[str]:
+        return [self.keys.bell, *self.keys.lane_streams()]
+
+    def wait(self, block_ms: int) -> None:
+        """Block until a job may have been queued after the last read(note_wake=True), or block_ms passed."""
+        if self.wake_ids is None:
+            return
+        streams = dict(zip(self._wake_streams(), self.wake_ids, strict=True))
+        self.wake_ids = None
+        self.r.xread(streams, count=1, block=block_ms)
+
+    def reap(self, room: int, idle_ms: int) -> list[Taken]:
+        """Take over up to `room` jobs whose holder stopped renewing (crashed, frozen, cut off) for idle_ms, from
+        every stream; drop the groups' streams that hold nothing."""
+        pipe = self.r.pipeline(transaction=False)
+        for lane in LANES:
+            pipe.smembers(self.keys.lane_groups(lane))
+        sources: list[Source] = [(lane, None) for lane in LANES]
+        sources += [(lane, g) for lane, groups in zip(LANES, pipe.execute(), strict=True) for g in sorted(groups)]
+        pipe = self.r.pipeline(transaction=False)
+        for lane, group in sources:
+            pipe.xpending(self.keys.stream(lane, group), GROUP)
+            pipe.xlen(self.keys.stream(lane, group))
+        replies = pipe.execute(raise_on_error=False)
+        # A pass at or below its lane's joins there anyway: forgetting it keeps this map to the groups seen lately.
+        self.passes = {src: p for src, p in self.passes.items() if p > self.lane_pass[src[0]]}
+        taken: list[Taken] = []
+        empty = []
+        for (lane, group), pending, length in zip(sources, replies[::2], replies[1::2], strict=True):
+            if group is not None and length == 0:
+                empty.append((lane, group))
+            if room > len(taken) and not isinstance(pending, Exception) and int(pending["pending"]):
+                taken += self._reclaim(lane, group, room - len(taken), idle_ms)
+        if empty:
+            run_calls(self.r, [calls.prune(self.keys, lane, group) for lane, group in empty], retries=0)
+        return taken
+
+    def _reclaim(self, lane: str, group: str | None, room: int, idle_ms: int) -> list[Taken]:
+        stream = self.keys.stream(lane, group)
+        try:
+            reply = self.r.xautoclaim(stream, GROUP, self.worker_id, idle_ms, self.reap_cursors.get(stream, "0-0"),
+                                      count=room)
+        except redis_lib.ResponseError:  # the stream went (pruned) between the look and the claim
+            return []
+        self.reap_cursors[stream] = reply[0]
+        return [Taken(lane, group, entry, fields) for entry, fields in reply[1]]
