@@ -6,6 +6,8 @@ import type { RedisClientType } from 'redis';
 export type JobStatus = 'queued' | 'running' | 'completed' | 'failed' | 'cancelled' | 'expired';
 export type TerminalStatus = 'completed' | 'failed' | 'cancelled' | 'expired';
 export type FinishReason = 'stop' | 'length' | 'cancelled' | 'error' | 'expired';
+/** A queue's priority lanes, most urgent first (producer/keys.py LANES). */
+export type Lane = 'interactive' | 'default' | 'batch';
 export type JsonValue = string | number | boolean | null | JsonValue[] | { [key: string]: JsonValue };
 
 /** A JSON Schema: an object (`{type: 'object', properties: {...}, required: [...]}`), or true / false. */
@@ -99,8 +101,18 @@ export interface JobRequest {
   guided_choice?: string[] | null;
   /** vLLM's: a grammar the output must parse as, in Lark or GBNF (llama.cpp's) syntax (non-empty). Default null. */
   guided_grammar?: string | null;
-  /** Lower runs first; -(2^31 - 1) to 2^31 - 1. */
+  /**
+   * The lane's stream it is queued on: workers read `interactive` first, then `default`, then `batch` (with a
+   * floor share for the lower ones). Default "default".
+   */
+  lane?: Lane;
+  /** Lower runs first, within a worker's batch; -(2^31 - 1) to 2^31 - 1. */
   priority?: number;
+  /**
+   * The fair-share group (a tenant, a customer): 1-128 characters of [A-Za-z0-9_.:@-]. A lane's groups share the
+   * workers by weight (`pagedq groups`). Default null: none.
+   */
+  group?: string | null;
   /** Seconds from enqueue, above 0 and at most a year (31536000); past it the job expires. */
   timeout_s?: number | null;
   /** Opaque to the worker; echoed in the result. */
@@ -296,13 +308,34 @@ export class Keys {
   readonly base: string;
   readonly jobs: string;
   readonly dlq: string;
+  /** The consumer group of the workers ("workers"), not a fair-share group. */
   readonly group: string;
+  /** Hash: fair-share group -> its settings as JSON ({"weight": w, "max_running": n}). */
+  readonly groups: string;
+  /** Stream: rung once per job queued to a group's stream, to wake idle workers. */
+  readonly bell: string;
+  /** The stream of a lane (default "default") and group (default none); `jobs` for the default lane without one. */
+  stream(lane?: Lane, group?: string | null): string;
+  /** The lanes' own streams, most urgent first. */
+  laneStreams(): string[];
+  /** Set: the groups that have a stream in the lane. */
+  laneGroups(lane: Lane): string;
+  /** Set: the groups of the lane whose streams may hold jobs no worker has read yet. */
+  ready(lane: Lane): string;
   job(jobId: string): string;
   events(jobId: string): string;
   result(jobId: string): string;
 }
 
 export function checkQueue(queue: string): string;
+/** Returns `lane`, or throws a TypeError when it is not one of LANES. */
+export function checkLane(lane: string): Lane;
+/** Returns `group`, or throws a TypeError when it is not 1-128 characters of [A-Za-z0-9_.:@-]. */
+export function checkGroup(group: string): string;
+export const LANES: readonly Lane[];
+export const DEFAULT_LANE: 'default';
+/** A group name's pattern, as producer/keys.py spells it (a RegExp source). */
+export const GROUP_NAME_PATTERN: string;
 export const PREFIX: string;
 export const GROUP: string;
 export const STATES: readonly JobStatus[];

@@ -198,8 +198,9 @@ export class Client {
 
   /**
    * Enqueues one job. `request`: JobRequest fields (snake_case, as in producer/protocol.py): prompt or
-   * messages, max_tokens, temperature, ... An id is made when none is given. Throws InvalidRequestError for a
-   * bad request, DuplicateJobError when a job with this id exists.
+   * messages, max_tokens, temperature, ..., `lane` and `group` (the stream it is queued on). An id is made when
+   * none is given. Throws InvalidRequestError for a bad request, DuplicateJobError when a job with this id
+   * exists.
    */
   async submit(request) {
     const req = makeRequest(request, this.limits);
@@ -236,10 +237,13 @@ export class Client {
   }
 
   _submitCall(req) {
-    // submit.lua (producer/calls.py `submit`): KEYS job hash, result key, jobs stream; ARGV job id, JobRequest
-    // JSON, enqueued_at (unix seconds).
+    // submit.lua (producer/calls.py `submit` and `lane_keys`): KEYS job hash, result key, the job's stream (its
+    // lane's, or its group's within the lane), the lane's groups and ready sets, the bell; ARGV job id,
+    // JobRequest JSON, enqueued_at (unix seconds), the group ("": none). The sets and the bell are touched only
+    // for a group's stream, so that the workers' intake finds a group that had no jobs.
     const k = this.keys;
-    return [[k.job(req.id), k.result(req.id), k.jobs], [req.id, encodeRequest(req), String(Date.now() / 1000)]];
+    return [[k.job(req.id), k.result(req.id), k.stream(req.lane, req.group), k.laneGroups(req.lane), k.ready(req.lane),
+      k.bell], [req.id, encodeRequest(req), String(Date.now() / 1000), req.group ?? '']];
   }
 
   /** A handle on a job by id (no Redis call). */
@@ -347,7 +351,9 @@ export class Client {
     checkJobId(jobId);
     const redis = await this._conn();
     const k = this.keys;
-    // cancel.lua (producer/calls.py `cancel`): ARGV[1] is the result a queued job gets.
+    // cancel.lua (producer/calls.py `cancel`): ARGV[1] is the result a queued job gets. KEYS[4] is always the
+    // default lane's stream: the script deletes a queued job's entry only there; one on another lane's or a
+    // group's stream stays, and the worker that reads it skips it.
     const res = normalizeResult({ id: jobId, status: 'cancelled', finish_reason: 'cancelled',
       timings: { finished_at: Date.now() / 1000 } });
     try {

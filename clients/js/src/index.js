@@ -3,7 +3,9 @@ import { Client } from './client.js';
 
 export { Client, Job, DEFAULT_TTL, DEFAULT_URL, normalizeResult, parseEvent } from './client.js';
 export { DuplicateJobError, InvalidRequestError, JobNotFound, PagedqError, TimeoutError } from './errors.js';
-export { Keys, checkQueue, GROUP, PREFIX } from './keys.js';
+export {
+  Keys, checkGroup, checkLane, checkQueue, DEFAULT_LANE, GROUP, GROUP_NAME_PATTERN, LANES, PREFIX,
+} from './keys.js';
 export { STATES, TERMINAL_STATES, TERMINAL_EVENT } from './wire.js';
 export { isSentinelUrl, parseSentinelUrl } from './sentinel.js';
 export { DEFAULT_LIMITS, encodeRequest, makeRequest, newId } from './request.js';

@@ -5,6 +5,7 @@
 
 import { randomUUID } from 'node:crypto';
 import { InvalidRequestError } from './errors.js';
+import { DEFAULT_LANE, GROUP_NAME_RE, LANES } from './keys.js';
 
 // Field order and defaults of producer/protocol.py JobRequest (id has a factory: always sent).
 const DEFAULTS = {
@@ -36,7 +37,9 @@ const DEFAULTS = {
   guided_regex: null,
   guided_choice: null,
   guided_grammar: null,
+  lane: DEFAULT_LANE,
   priority: 0,
+  group: null,
   timeout_s: null,
   metadata: {},
 };
@@ -372,7 +375,16 @@ export function makeRequest(request, limits = DEFAULT_LIMITS) {
   req.ignore_eos = get('ignore_eos');
   if (typeof req.ignore_eos !== 'boolean') fail('ignore_eos', `must be true or false, got ${show(req.ignore_eos)}`);
   req.logprobs = get('logprobs') === null ? null : int('logprobs', get('logprobs'), { min: 0, max: 20 });
+  // The lane's stream it is queued on (read before the lanes below it); exactly one of LANES (null is refused,
+  // as Python's Literal refuses None).
+  req.lane = get('lane');
+  if (!LANES.includes(req.lane)) fail('lane', `must be one of ${LANES.join(', ')}, got ${show(req.lane)}`);
   req.priority = int('priority', get('priority'), { min: -INT32_MAX, max: INT32_MAX }); // lower runs first
+  // The fair-share group (a tenant, a customer): part of its stream's key name, hence the narrow alphabet.
+  req.group = get('group');
+  if (req.group !== null && (typeof req.group !== 'string' || !GROUP_NAME_RE.test(req.group))) {
+    fail('group', `must be 1-128 characters of [A-Za-z0-9_.:@-], got ${show(req.group)}`);
+  }
   req.timeout_s = get('timeout_s') === null ? null : num('timeout_s', get('timeout_s'), { gt: 0, le: MAX_TIMEOUT_S });
 
   req.metadata = get('metadata');

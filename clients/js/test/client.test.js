@@ -228,6 +228,93 @@ describe('stream', LIMIT, () => {
   });
 });
 
+describe('lanes and groups', LIMIT, () => {
+  // A queue no worker serves, its own: every key it holds is one these tests wrote.
+  let lanes;
+  before(() => { lanes = new Client({ url: srv.url, queue: randomQueue('lanes') }); });
+  after(() => lanes?.close());
+
+  const keysOf = async (c) => (await raw.sendCommand(['KEYS', `${c.keys.base}:*`])).map(String).sort();
+  const ids = async (stream) => (await raw.sendCommand(['XRANGE', stream, '-', '+'])).map(([, f]) => f[1]);
+  const members = async (set) => (await raw.sendCommand(['SMEMBERS', set])).map(String).sort();
+
+  test('a job lands on its lane\'s stream; a lane\'s own stream registers no group', async () => {
+    const k = lanes.keys;
+    const jobs = {};
+    for (const lane of ['interactive', 'default', 'batch']) {
+      jobs[lane] = await lanes.submit({ prompt: `on ${lane}`, max_tokens: 2, lane });
+      assert.equal(await jobs[lane].status(), 'queued');
+    }
+    assert.equal(k.stream('interactive'), `${k.jobs}:interactive`);
+    for (const [lane, job] of Object.entries(jobs)) {
+      assert.deepEqual(await ids(k.stream(lane)), [job.id], lane);
+      assert.equal(String(await raw.sendCommand(['HGET', k.job(job.id), 'stream'])), k.stream(lane));
+      const [, fields] = (await raw.sendCommand(['XRANGE', k.stream(lane), '-', '+']))[0];
+      const wire = JSON.parse(fields[3]);
+      assert.equal(wire.lane, lane === 'default' ? undefined : lane, 'the default lane is left out, as Python does');
+      assert.equal(wire.group, undefined);
+      assert.deepEqual(await members(k.laneGroups(lane)), []);
+      assert.deepEqual(await members(k.ready(lane)), []);
+    }
+    assert.equal(await raw.sendCommand(['EXISTS', k.bell]), 0, 'no group, no bell');
+  });
+
+  test('a job with a group lands on the group\'s stream in its lane, registered and ready, the bell rung', async () => {
+    const k = lanes.keys;
+    const before = await raw.sendCommand(['XLEN', k.bell]);
+    const a = await lanes.submit({ id: `g-${newId()}`, prompt: 'tenant job', max_tokens: 2, lane: 'batch',
+      group: 'acme' });
+    const [b, c] = await lanes.submitMany([
+      { prompt: 'same tenant', lane: 'batch', group: 'acme' },
+      { prompt: 'another tenant, default lane', group: 'org:42@eu' },
+    ]);
+    assert.equal(k.stream('batch', 'acme'), `${k.jobs}:batch:acme`);
+    assert.deepEqual(await ids(k.stream('batch', 'acme')), [a.id, b.id]);
+    assert.deepEqual(await ids(k.stream('default', 'org:42@eu')), [c.id]);
+    assert.ok(!(await ids(k.stream('batch'))).includes(a.id), 'not on the lane\'s own stream');
+    assert.equal(String(await raw.sendCommand(['HGET', k.job(a.id), 'stream'])), k.stream('batch', 'acme'));
+    assert.deepEqual(await members(k.laneGroups('batch')), ['acme']);
+    assert.deepEqual(await members(k.ready('batch')), ['acme']);
+    assert.deepEqual(await members(k.laneGroups('default')), ['org:42@eu']);
+    assert.deepEqual(await members(k.ready('default')), ['org:42@eu']);
+    assert.deepEqual(await members(k.ready('interactive')), []);
+    const rung = (await raw.sendCommand(['XRANGE', k.bell, '-', '+'])).slice(Number(before))
+      .map(([, f]) => f.map(String));
+    assert.deepEqual(rung, [['g', 'acme'], ['g', 'acme'], ['g', 'org:42@eu']]);
+    const [, fields] = (await raw.sendCommand(['XRANGE', k.stream('batch', 'acme'), '-', '+']))[0];
+    assert.deepEqual(JSON.parse(fields[3]),
+      { id: a.id, prompt: 'tenant job', max_tokens: 2, lane: 'batch', group: 'acme' });
+  });
+
+  test('a bad lane or group is refused before anything is written', async () => {
+    const c = new Client({ url: srv.url, queue: randomQueue('badlane') });
+    try {
+      await assert.rejects(c.submit({ prompt: 'x', lane: 'urgent' }),
+        { name: 'InvalidRequestError', field: 'lane', message: /lane: must be one of interactive, default, batch/ });
+      await assert.rejects(c.submit({ prompt: 'x', lane: 'batch', group: 'has space' }),
+        { name: 'InvalidRequestError', field: 'group', message: /group: must be 1-128 characters of/ });
+      await assert.rejects(c.submit({ prompt: 'x', group: 'ten{ant}' }), { field: 'group' });
+      await assert.rejects(c.submitMany([{ prompt: 'fine', lane: 'batch', group: 'ok' }, { prompt: 'x', lane: null }]),
+        { field: 'lane' });
+      await assert.rejects(c.submitMany([{ prompt: 'fine' }, { prompt: 'x', group: 'g'.repeat(129) }]),
+        { field: 'group' });
+      assert.deepEqual(await keysOf(c), [], 'no key of the queue exists');
+    } finally {
+      await c.close();
+    }
+  });
+
+  test('a queued job on a lane or group is cancelled; its entry stays for the worker to skip', async () => {
+    const k = lanes.keys;
+    const job = await lanes.submit({ prompt: 'never runs', lane: 'interactive', group: 'acme' });
+    assert.equal(await job.cancel(), 'cancelled');
+    assert.equal(await job.status(), 'cancelled');
+    assert.equal((await job.result({ timeoutMs: 1000 })).finish_reason, 'cancelled');
+    // cancel.lua deletes a queued job's entry on the default lane's stream only.
+    assert.ok((await ids(k.stream('interactive', 'acme'))).includes(job.id));
+  });
+});
+
 describe('cancel', LIMIT, () => {
   test('a queued job is cancelled at once', async () => {
     const job = await idle.submit({ prompt: 'never runs', max_tokens: 4 });

@@ -112,3 +112,22 @@ print(json.dumps({"status": c.status(${JSON.stringify(pyId)}), "result": json.lo
   assert.equal(theirs.result.finish_reason, 'cancelled');
   assert.deepEqual(theirs.events, ['cancelled']);
 });
+
+test('jobs submitted from JavaScript on a lane and a group are run by the Python worker', LIMIT, async () => {
+  // The worker's intake reads every lane's stream and every group's stream (through the lane's groups set that
+  // submit.lua registers the group in): one it did not find would end in a TimeoutError here.
+  const grouped = await client.submit({ id: `js-${newId()}`, prompt: 'Hello', max_tokens: 4, lane: 'batch',
+    group: 'acme', metadata: { from: 'js' } });
+  const urgent = await client.submit({ prompt: 'Hi', max_tokens: 3, lane: 'interactive' });
+  const [mine, fast] = await Promise.all([grouped, urgent].map((j) => j.result({ timeoutMs: 120_000 })));
+  assert.equal(mine.status, 'completed');
+  assert.equal(mine.token_ids.length, 4);
+  assert.equal(fast.status, 'completed');
+  assert.equal(fast.token_ids.length, 3);
+  const theirs = py(queue, `
+res = c.job(${JSON.stringify(grouped.id)}).result(timeout=10)
+print(json.dumps({"status": c.status(${JSON.stringify(grouped.id)}), "result": json.loads(res.model_dump_json())}))`);
+  assert.equal(theirs.status, 'completed');
+  assert.deepEqual(theirs.result, mine);
+  assert.deepEqual(theirs.result.metadata, { from: 'js' });
+});

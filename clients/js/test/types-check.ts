@@ -1,5 +1,8 @@
 // Compiled (not run) by test/types.test.js: `tsc -p tsconfig.json` checks index.d.ts against real use.
-import { Client, DuplicateJobError, InvalidRequestError, createClient, type JobResult, type StreamEvent } from 'pagedq';
+import {
+  Client, DEFAULT_LANE, DuplicateJobError, InvalidRequestError, LANES, checkGroup, checkLane, createClient, makeRequest,
+  type JobResult, type Lane, type StreamEvent,
+} from 'pagedq';
 import { createClient as createRedis } from 'redis';
 
 export async function use(): Promise<string> {
@@ -33,6 +36,13 @@ export async function use(): Promise<string> {
     if (err instanceof DuplicateJobError) text += err.ids.join() + err.jobs.map((j) => j.id).join();
     if (err instanceof InvalidRequestError) text += err.field;
   }
+  const lanes: Lane[] = [...LANES, DEFAULT_LANE, checkLane('batch')];
+  await client.submitMany(lanes.map((lane) => ({ prompt: 'p', lane, group: checkGroup('acme') })));
+  await client.submit({ prompt: 'p', lane: 'interactive', group: null });
+  const made: Lane = makeRequest({ prompt: 'p', lane: 'batch' }).lane;
+  const k = client.keys;
+  text += [made, k.groups, k.bell, k.stream(), k.stream('batch'), k.stream('batch', 'acme'), ...k.laneStreams(),
+    k.laneGroups('interactive'), k.ready('default')].join();
   const state: 'cancelled' | 'cancelling' | 'completed' | 'failed' | 'expired' = await job.cancel();
   await other.close();
   await client.close();

@@ -8,8 +8,8 @@ import { join } from 'node:path';
 import { describe, test } from 'node:test';
 import { fileURLToPath, pathToFileURL } from 'node:url';
 import {
-  Client, DEFAULT_LIMITS, InvalidRequestError, Keys, TERMINAL_EVENT, TERMINAL_STATES, STATES, encodeRequest,
-  makeRequest,
+  Client, DEFAULT_LANE, DEFAULT_LIMITS, GROUP_NAME_PATTERN, InvalidRequestError, Keys, LANES, TERMINAL_EVENT,
+  TERMINAL_STATES, STATES, checkGroup, checkLane, encodeRequest, makeRequest,
 } from '../src/index.js';
 import { BUNDLED_DIR, REPO_DIR, script, scriptsDir } from '../src/scripts.js';
 import { ENTRY_ID, ENTRY_JOB, ERR_DUPLICATE, ERR_NOT_FOUND, EVENT_FIELD } from '../src/wire.js';
@@ -54,6 +54,16 @@ describe('requests', () => {
     [{ prompt: 'a', use_beam_search: true, beam_width: 33, temperature: 0 }, 'beam_width', /limit is 32/],
     [{ prompt: 'a', use_beam_search: 'yes' }, 'use_beam_search', /true or false/],
     [{ prompt: 'a', early_stopping: 'sometimes' }, 'early_stopping', /"never"/],
+    [{ prompt: 'a', lane: 'urgent' }, 'lane', /must be one of interactive, default, batch, got "urgent"$/],
+    [{ prompt: 'a', lane: 'Batch' }, 'lane', /one of interactive, default, batch/],
+    [{ prompt: 'a', lane: null }, 'lane', /got null$/],
+    [{ prompt: 'a', lane: '' }, 'lane', /got ""$/],
+    [{ prompt: 'a', group: '' }, 'group', /must be 1-128 characters of \[A-Za-z0-9_.:@-\], got ""$/],
+    [{ prompt: 'a', group: 'a b' }, 'group', /1-128 characters/],
+    [{ prompt: 'a', group: 'ac{me}' }, 'group', /1-128 characters/],
+    [{ prompt: 'a', group: 'acme\n' }, 'group', /1-128 characters/],
+    [{ prompt: 'a', group: 'g'.repeat(129) }, 'group', /1-128 characters/],
+    [{ prompt: 'a', group: 5 }, 'group', /got 5$/],
   ];
   for (const [req, field, message] of bad) {
     test(`refuses ${JSON.stringify(req)?.slice(0, 60)}`, () => {
@@ -95,6 +105,10 @@ describe('requests', () => {
       { id: 'f', prompt: 'p', n: 2, use_beam_search: true, beam_width: 4, length_penalty: 0.5,
         early_stopping: 'never', temperature: 0 },
       { id: 'd', prompt: 'p', max_tokens: 256, temperature: 1, stop: [], metadata: {}, n: 1 }, // all defaults: left out
+      { id: 'g', prompt: 'p', lane: 'batch', group: 'acme', priority: 2 },
+      { id: 'h', prompt: 'p', lane: 'interactive' },
+      { id: 'i', prompt: 'p', group: 'x@y.z:-_' },
+      { id: 'j', prompt: 'p', lane: 'default', group: null }, // defaults: left out
     ];
     const wire = cases.map((c) => encodeRequest(makeRequest(c)));
     const py = python(`
@@ -109,6 +123,16 @@ print(json.dumps(out))`);
     assert.deepEqual(js, py.python);
     assert.deepEqual(py.roundtrip, js);
     assert.deepEqual(Object.keys(js[5]), ['id', 'prompt']);
+    assert.deepEqual(Object.keys(js[6]), ['id', 'prompt', 'lane', 'priority', 'group']);
+    assert.deepEqual(Object.keys(js[9]), ['id', 'prompt']);
+  });
+
+  test('lane and group: defaults filled in, every lane taken', () => {
+    const a = makeRequest({ prompt: 'hi' });
+    assert.equal(a.lane, 'default');
+    assert.equal(a.group, null);
+    for (const lane of LANES) assert.equal(makeRequest({ prompt: 'p', lane }).lane, lane);
+    assert.equal(makeRequest({ prompt: 'p', group: 'g'.repeat(128) }).group, 'g'.repeat(128));
   });
 });
 
@@ -136,6 +160,11 @@ describe('bounds and valid Unicode, as producer/protocol.py has them', () => {
     [{ priority: INT32_MAX + 1 }, 'priority', /must be <= 2147483647/],
     [{ priority: -INT32_MAX - 1 }, 'priority', /must be >= -2147483647/],
     [{ timeout_s: YEAR + 0.5 }, 'timeout_s', /must be <= 31536000/],
+    [{ lane: 'urgent' }, 'lane', /must be one of interactive, default, batch/],
+    [{ lane: null }, 'lane', /must be one of/],
+    [{ group: 'g'.repeat(129) }, 'group', /must be 1-128 characters/],
+    [{ group: 'a/b' }, 'group', /must be 1-128 characters/],
+    [{ group: 'acme\n' }, 'group', /must be 1-128 characters/], // pydantic's $ is the end: no newline before it
     [{ stop: ['ok', 's'.repeat(1001)] }, 'stop', /: a stop string is 1001 characters, the limit is 1000$/],
     [{ stop: '😀'.repeat(1001) }, 'stop', /a stop string is 1001 characters/],
     [{ stop_token_ids: Array(257).fill(7) }, 'stop_token_ids', /: 257 stop_token_ids, the limit is 256$/],
@@ -191,6 +220,8 @@ describe('bounds and valid Unicode, as producer/protocol.py has them', () => {
     [{ priority: INT32_MAX }],
     [{ priority: -INT32_MAX }],
     [{ timeout_s: YEAR }],
+    [{ lane: 'interactive', group: 'g'.repeat(128) }],
+    [{ lane: 'batch', group: 'A-z_0.9:@' }],
     [{ stop: ['s'.repeat(1000), '😀'.repeat(1000)] }],
     [{ stop_token_ids: Array(256).fill(7) }],
     // Astral characters are surrogate pairs in JavaScript: valid Unicode, written either way.
@@ -279,11 +310,29 @@ describe('names shared with the Python side', () => {
     const k = new Keys('q-1.a:b');
     const py = python(`
 import json
-from producer.keys import Keys
-k = Keys("q-1.a:b")
-print(json.dumps([k.jobs, k.dlq, k.group, k.job("j1"), k.events("j1"), k.result("j1")]))`);
-    assert.deepEqual([k.jobs, k.dlq, k.group, k.job('j1'), k.events('j1'), k.result('j1')], py);
+from producer import keys
+k = keys.Keys("q-1.a:b")
+print(json.dumps({"names": [k.jobs, k.dlq, k.group, k.job("j1"), k.events("j1"), k.result("j1"), k.groups, k.bell],
+                  "lanes": list(keys.LANES), "default": keys.DEFAULT_LANE, "pattern": keys.GROUP_NAME_PATTERN,
+                  "streams": [[k.stream(l), k.stream(l, None), k.stream(l, "acme"), k.stream(l, "A-z_0.9:@"),
+                               k.lane_groups(l), k.ready(l)] for l in keys.LANES],
+                  "stream": k.stream(), "lane_streams": k.lane_streams()}))`);
+    assert.deepEqual([k.jobs, k.dlq, k.group, k.job('j1'), k.events('j1'), k.result('j1'), k.groups, k.bell], py.names);
+    assert.deepEqual(LANES, py.lanes);
+    assert.equal(DEFAULT_LANE, py.default);
+    assert.equal(GROUP_NAME_PATTERN, py.pattern);
+    assert.deepEqual(LANES.map((l) => [k.stream(l), k.stream(l, undefined), k.stream(l, 'acme'),
+      k.stream(l, 'A-z_0.9:@'), k.laneGroups(l), k.ready(l)]), py.streams);
+    assert.equal(k.stream(), py.stream);
+    assert.deepEqual(k.laneStreams(), py.lane_streams);
     assert.equal(k.job('j1'), 'pq:{q-1.a:b}:job:j1');
+    assert.equal(k.stream('batch', 'acme'), 'pq:{q-1.a:b}:jobs:batch:acme');
+    assert.throws(() => k.stream('urgent'), /lane must be one of interactive, default, batch, got "urgent"/);
+    assert.throws(() => k.stream('batch', 'a{b}'), /group must be 1-128 characters/);
+    assert.throws(() => k.ready('Batch'), /lane must be one of/);
+    assert.throws(() => k.laneGroups(undefined), /lane must be one of/);
+    assert.throws(() => checkGroup(''), /group must be/);
+    assert.equal(checkLane('interactive'), 'interactive');
     assert.throws(() => new Keys('a{b}'), /queue name/);
     assert.throws(() => new Client({ queue: 'has space' }), /queue name/);
   });
