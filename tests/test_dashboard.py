@@ -103,6 +103,7 @@ def test_dashboard_in_chromium(redis_url, queue, rds, pq_tiny_model, start_worke
     start_worker(queue, pq_tiny_model, *FLAGS, "--worker-id", "dash-w1")
     with Client(redis_url, queue=backlog) as c:
         c.submit_many([{"prompt": f"later {i}", "max_tokens": 4} for i in range(3)])
+        c.submit_many([{"prompt": f"batch {i}", "max_tokens": 4, "lane": "batch", "group": "acme"} for i in range(2)])
     rds.xadd(Keys(backlog).dlq, {"id": "dead-1", "error": "worker_error", "reason": "it crashed its worker 3 times",
                                  "attempts": 3, "worker": "w0", "at": f"{time.time():.3f}", "job": "{}"})
     with Client(redis_url, queue=queue) as c:  # some history for the charts
@@ -115,8 +116,11 @@ def test_dashboard_in_chromium(redis_url, queue, rds, pq_tiny_model, start_worke
     # The numbers are Redis'.
     k = Keys(backlog)
     row = cells(browser, f'#queues tr[data-queue="{backlog}"]')
-    assert row["length"] == str(rds.xlen(k.jobs)) == "3"
-    assert row["waiting"] == "3" and row["pending"] == "0" and row["dead_letters"] == str(rds.xlen(k.dlq)) == "1"
+    assert row["length"] == str(rds.xlen(k.jobs) + rds.xlen(k.stream("batch", "acme"))) == "5"
+    assert row["waiting"] == "5" and row["pending"] == "0" and row["dead_letters"] == str(rds.xlen(k.dlq)) == "1"
+    # Per lane, and per group inside one.
+    assert cells(browser, f'#lanes tr[data-queue="{backlog}"][data-lane="default"]')["waiting"] == "3"
+    assert cells(browser, f'#lanes tr[data-queue="{backlog}"][data-lane="batch"][data-group="acme"]')["length"] == "2"
     assert cells(browser, f'#queues tr[data-queue="{queue}"]')["workers"] == "1"
     record = json.loads(rds.get(Keys(queue).worker("dash-w1")))
     w = cells(browser, 'tr[data-worker="dash-w1"]')
