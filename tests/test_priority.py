@@ -9,9 +9,9 @@ import time
 from collections import Counter
 
 import pytest
-
 from faults import wait_for
 from preemptions import record_preemptions
+
 from producer import Client, JobRequest
 from producer.groups import GroupSettings, set_group
 
