@@ -53,6 +53,12 @@ def make_requests(n: int, tag: str, max_tokens: int) -> list[JobRequest]:
     return out
 
 
+def spread_lanes(reqs: list[JobRequest]) -> list[JobRequest]:
+    """The same jobs over every lane, with and without a fair-share group: the guarantees hold on each stream."""
+    lanes, groups = ("interactive", "default", "batch"), ("acme", None, "beta")
+    return [r.model_copy(update={"lane": lanes[i % 3], "group": groups[i // 3 % 3]}) for i, r in enumerate(reqs)]
+
+
 def check_all(c, reqs, results, pq_reference, pq_check_stream) -> dict:
     assert len(results) == len(reqs)
     assert all(r.status == "completed" for r in results), [(r.id, r.status, r.error) for r in results

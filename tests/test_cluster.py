@@ -9,12 +9,13 @@ import signal
 
 import pytest
 from click.testing import CliRunner
-from faults import check_all, make_requests, started, streaming_on, wait_for
+from faults import check_all, make_requests, spread_lanes, started, streaming_on, wait_for
 from redis.cluster import RedisCluster
 
 from cli import main
 from producer import AsyncClient, Client
 from producer.connection import is_cluster
+from producer.queue_info import queue_info
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +91,7 @@ def test_sigkill_resume_on_a_cluster(layout, pq_tiny_model, start_worker, pq_ref
     c = Client(third, queue=qa)
     a = start_worker(qa, pq_tiny_model, *FLAGS, url=nb)
     wait_for(lambda: started(a), 120, "worker A")
-    reqs = make_requests(32, "k", 24)
+    reqs = spread_lanes(make_requests(32, "k", 24))
     jobs = c.submit_many(reqs)
     wait_for(lambda: streaming_on(c.redis, c, a.pid, reqs), 240, "A streaming")
     os.kill(a.pid, signal.SIGKILL)
@@ -100,5 +101,5 @@ def test_sigkill_resume_on_a_cluster(layout, pq_tiny_model, start_worker, pq_ref
     stats = check_all(c, reqs, results, pq_reference, pq_check_stream)
     assert stats["resumed"] >= 1
     assert all(f"-{b.pid}-" in r.worker for r in results if r.attempts > 1)
-    assert c.redis.xlen(c.keys.jobs) == 0
+    assert queue_info(c.redis, c.keys)["length"] == 0  # every lane's and group's stream
     print("cluster sigkill", stats)

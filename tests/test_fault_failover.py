@@ -13,7 +13,7 @@ import time
 
 import pytest
 import redis
-from faults import check_all, freeze, log_of, make_requests, started, thaw, wait_for
+from faults import check_all, freeze, log_of, make_requests, spread_lanes, started, thaw, wait_for
 
 from producer import Client, JobRequest
 from producer.durability import Durability
@@ -101,7 +101,7 @@ class Producer(threading.Thread):
     def __init__(self, url: str, queue: str, durability: Durability) -> None:
         super().__init__(daemon=True)
         self.c = Client(url, queue=queue, durability=durability)
-        self.reqs = {r.id: r for r in make_requests(100_000, "f", 8)}
+        self.reqs = {r.id: r for r in spread_lanes(make_requests(100_000, "f", 8))}
         self.order = list(self.reqs)
         self.sent: list[str] = []
         self.acked: list[str] = []
