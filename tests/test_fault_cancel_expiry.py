@@ -63,8 +63,11 @@ def test_expiry_queued_and_running(redis_url, queue, rds, inproc):
         res = long.result(timeout=30)
         assert res.status == "expired" and res.finish_reason == "expired" and 0 < len(res.token_ids) < 2000
         assert res.timings.finished_at - res.timings.enqueued_at < 3
+        assert res.error.type == "expired" and "deadline (timeout_s=1.5 from enqueue) passed while it ran" in \
+            res.error.message
     res = stale.result(timeout=30)
     assert res.status == "expired" and res.token_ids == []
+    assert "passed before it started" in res.error.message
     ok = c.submit(prompt="fine", max_tokens=3, timeout_s=60).result(timeout=30)
     assert ok.status == "completed"
     time.sleep(0.5)

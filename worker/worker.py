@@ -276,7 +276,7 @@ class Worker:
         if req.timeout_s is not None:
             job.deadline = (job.enqueued_at or now) + req.timeout_s
             if now >= job.deadline:
-                self.publisher.end(job, wire.EXPIRED, "expired")
+                self.publisher.end(job, wire.EXPIRED, "expired", _past_deadline(job, now, "before it started"))
                 return
         if self._enter(job):
             self.metrics.job_started(job.enqueued_at, job.started_at, job.prompt_tokens, job.attempts, job.lane,
@@ -507,7 +507,8 @@ class Worker:
     def _expire(self, now: float) -> None:
         for job in [j for j in self.active.values() if j.deadline is not None and now >= j.deadline]:
             self._drop(job.id)
-            self.publisher.end(job, wire.EXPIRED, "expired")
+            where = "while it ran" if job.first_token_at is not None else "while it waited in the worker's batch"
+            self.publisher.end(job, wire.EXPIRED, "expired", _past_deadline(job, now, where))
 
     def _notices(self) -> None:
         notices = self.publisher.notices
@@ -541,3 +542,9 @@ class Worker:
             log.info("handing %d unfinished jobs back to the queue", len(self.active))
         for job_id in list(self.active):
             self.publisher.release(self._drop(job_id), wire.HANDBACK)
+
+
+def _past_deadline(job: RunningJob, now: float, where: str) -> str:
+    """An expired job's reason: rather than run late, it ends at its deadline, wherever it is then."""
+    return (f"its deadline (timeout_s={job.request.timeout_s:g} from enqueue) passed {where}, "
+            f"{now - (job.enqueued_at or job.started_at):.1f} s after it was queued")

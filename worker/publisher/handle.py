@@ -95,9 +95,10 @@ class Publisher:
 
     # end, fail and release: as RedisWriter's calls of the same names, for a job the engine no longer runs.
 
-    def end(self, job: RunningJob, status: str, finish_reason: str) -> None:
+    def end(self, job: RunningJob, status: str, finish_reason: str, why: str = "") -> None:
+        """why: said in the result's error (an expired job's: which deadline passed, where)."""
         self._add_acks(1)
-        self._send((messages.END, job_to_wire(job), status, finish_reason))
+        self._send((messages.END, job_to_wire(job), status, finish_reason, why))
 
     def fail(self, job: RunningJob, type: str, message: str) -> None:
         self._add_acks(1)

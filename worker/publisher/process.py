@@ -140,7 +140,7 @@ def _handle(msg: list, writer: RedisWriter, views: dict[str, JobView], tokenizer
         if msg[1] in views and views[msg[1]].job.lease == msg[2]:
             del views[msg[1]]
     elif op == messages.END:
-        writer.end(_held(views, msg[1]), msg[2], msg[3])
+        writer.end(_held(views, msg[1]), msg[2], msg[3], msg[4])
     elif op == messages.FAIL:
         writer.fail(_held(views, msg[1]), msg[2], msg[3])
     elif op == messages.RELEASE:

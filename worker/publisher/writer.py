@@ -101,9 +101,10 @@ class RedisWriter(threading.Thread):
         """One engine step's outputs; finished ones end their job."""
         self.inbox.put(("step", outputs, now))
 
-    def end(self, view: JobView, status: str, finish_reason: str) -> None:
-        """End a job the engine no longer runs (cancelled, expired, shut down) with its output so far."""
-        self.inbox.put(("end", view, status, finish_reason, time.time()))
+    def end(self, view: JobView, status: str, finish_reason: str, why: str = "") -> None:
+        """End a job the engine no longer runs (cancelled, expired, shut down) with its output so far; `why`, if
+        given, is the result's error message (its type: the status)."""
+        self.inbox.put(("end", view, status, finish_reason, time.time(), why))
 
     def fail(self, view: JobView, type: str, message: str) -> None:
         self.inbox.put(("fail", view, ErrorInfo(type=type, message=message), time.time()))
@@ -307,8 +308,9 @@ class RedisWriter(threading.Thread):
         kind, view = op[0], op[1]
         job = view.job
         if kind == "end":
-            _, _, status, reason, now = op
-            res = view.result(status, self.worker_id, self.model, now, reason)
+            _, _, status, reason, now, why = op
+            res = view.result(status, self.worker_id, self.model, now, reason,
+                              error=ErrorInfo(type=status, message=why) if why else None)
             return End(view, status, calls.complete(self.keys, job.delivery, status, res.model_dump_json(), self.ttl,
                                                     tokens=view.emitted))
         if kind == "release":
