@@ -89,7 +89,10 @@ FIELDS = {
     "guided_regex": st.none() | st.sampled_from(["[ab]{2}", "(", "a*", "\\d+\ud800"]) | hostile_text | junk,
     "guided_choice": st.none() | st.lists(hostile_text, max_size=3) | junk,
     "guided_grammar": st.none() | st.sampled_from(['start: "a" | "b"', "start: (", 'root ::= "x"']) | junk,
+    "lane": st.sampled_from(["interactive", "default", "batch", "urgent", "", "Batch"]) | hostile_text | junk,
     "priority": ints(-P.INT32_MAX, P.INT32_MAX, st.integers(-3, 3)),
+    "group": st.none() | st.sampled_from(["acme", "a@b.c", "{x}", "with space", "g" * 129, "new\n", "ok\n"])
+    | hostile_text | junk,
     "timeout_s": st.none() | reals(1e-9, P.MAX_TIMEOUT_S, st.sampled_from([1e-9, 60.0])),
     "metadata": metadata,
     "max_token": junk,  # extra fields: typos and made-up ones
