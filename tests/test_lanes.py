@@ -173,3 +173,23 @@ def test_lane_and_group_are_checked_at_submit(client):
         client.submit(prompt="x", group="a b")
     with pytest.raises(ValueError, match="group"):
         client.submit(prompt="x", group="{x}")
+
+
+def test_the_groups_command(client, redis_url, queue):
+    from click.testing import CliRunner
+
+    from cli import main
+
+    def cli(*args):
+        return CliRunner().invoke(main, ["groups", *args, "--redis-url", redis_url, "--queue", queue])
+
+    out = cli("set", "acme", "--weight", "4", "--max-running", "8")
+    assert out.exit_code == 0 and "acme: weight 4, max running 8" in out.output
+    _submit(client, 3, lane="batch", group="acme")
+    (row,) = json.loads(cli("list", "--json").output)
+    assert (row["group"], row["weight"], row["max_running"], row["queued"]) == ("acme", 4, 8, 3)
+    table = cli("list").output
+    assert "acme" in table and "batch 3+0" in table
+    assert cli("set", "a b").exit_code == 2  # not a group name: said, nothing written
+    assert cli("reset", "acme").output.strip() == "acme: back to the defaults"
+    assert json.loads(cli("list", "--json").output)[0]["weight"] == 1
