@@ -75,10 +75,10 @@ def group_view(r, keys: Keys) -> list[dict]:
     replies = pipe.execute(raise_on_error=False)
     view: dict[str, dict] = {}
     for (lane, g), length, pending in zip(streams, replies[::2], replies[1::2], strict=True):
-        row = view.setdefault(g or "", {"group": g or "", "lanes": {}})
         held = 0 if isinstance(length, Exception) else int(length)
         running = _pending(pending)
         if held or g is not None:
+            row = view.setdefault(g or "", {"group": g or "", "lanes": {}})
             row["lanes"][lane] = {"queued": max(0, held - running), "running": running}
     for g in settings:
         view.setdefault(g, {"group": g, "lanes": {}})
