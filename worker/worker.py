@@ -39,6 +39,9 @@ from worker.version import pagedq_version
 
 log = logging.getLogger("pagedq.worker")
 SWITCH_INTERVAL_S = 0.0005
+# With the batch full, how often intake looks for urgent jobs to preempt for: a round trip every step would tax
+# every step of a full batch; this bounds the tax and adds at most this to an urgent job's wait.
+URGENT_POLL_S = 0.02
 FLUSH_TIMEOUT_S = 30.0  # how long a failed step's jobs wait for their streams to be written before resuming
 
 
@@ -91,6 +94,7 @@ class Worker:
         self.steps = 0
         self.busy = False  # the engine had requests at the loop's last look
         self.next_reap = 0.0
+        self.next_urgent_poll = 0.0
 
     def stop(self) -> None:
         """Ask the loop to stop taking jobs; it finishes what it runs (up to drain_timeout), then returns."""
@@ -181,6 +185,10 @@ class Worker:
     def _urgent(self) -> None:
         """The batch is full: read jobs of a lane above that of running jobs, which the engine preempts for (as
         many as it has jobs below to preempt, less those read for it already and not started yet)."""
+        now = time.monotonic()
+        if now < self.next_urgent_poll:
+            return
+        self.next_urgent_poll = now + URGENT_POLL_S
         for rank, lane in enumerate(LANES[:-1]):
             below = self.engine.num_preemptible(engine_priority(lane, INT32_MAX))
             waiting = sum(1 for job in self.active.values()
