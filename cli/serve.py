@@ -27,7 +27,7 @@ def routing_options(f):
     @click.option("--store-ttl", type=int, default=default_of(ServeConfig, "store_ttl_s"),
                   help="Seconds files and batches are kept")
     @click.option("--batch-priority", type=int, default=default_of(ServeConfig, "batch_priority"),
-                  help="Priority of batch jobs (lower runs first; interactive requests default to 0)")
+                  help="Priority of batch lines that send none (they run in the batch lane; lower runs first)")
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
         return f(*args, **kwargs)
@@ -84,7 +84,7 @@ def _serve_config(options: dict[str, Any]) -> ServeConfig:
 @click.option("--key-max-jobs", type=int, default=default_of(ServeConfig, "key_max_jobs"),
               help="Requests each key may have queued or running on a queue (429 past it); none: no limit")
 @click.option("--max-queue-depth", type=int, default=default_of(ServeConfig, "max_queue_depth"),
-              help="Answer 429 when a queue holds this many jobs (queued + running)")
+              help="Answer 429 when the lane a request's job would join holds this many jobs (queued + running)")
 @click.option("--retry-after", type=int, default=default_of(ServeConfig, "retry_after_s"),
               help="Seconds a 429 asks clients to wait")
 @click.option("--max-open-requests", type=click.IntRange(min=1),

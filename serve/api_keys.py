@@ -5,10 +5,13 @@ files, batches and jobs, and what names its counters there. The key itself is ne
 name is what logs and metrics show.
 
 The key file holds one key a line: `[NAME[:]] SECRET [rpm=N] [tpm=N] [max_jobs=N] [max_batches=N]
-[max_file_bytes=N]`, where SECRET is the key as clients send it, or `sha256:<64 hex digits>`, its SHA-256, so that
+[max_file_bytes=N] [lane=LANE] [top_priority=N]`, where SECRET is the key as clients send it, or `sha256:<64 hex digits>`, its SHA-256, so that
 the file need not hold the key. A key without a name is named by its id. Blank lines and lines starting with #
 are skipped. The limits override the server's (`--key-rpm`, `--key-tpm`, `--key-max-jobs`, `--key-max-batches`,
-`--key-max-file-bytes`) for that key; 0 lifts one. SIGHUP reloads the file in every serve
+`--key-max-file-bytes`) for that key; 0 lifts one. `lane=` (interactive, default or batch; interactive if not
+given) is the lane the key's completion requests go to, and the most urgent it may ask for (serve.lanes);
+`top_priority=` (an integer, 0 if not given, may be negative) the most urgent `priority` it may send (lower runs
+first): a request asking for more gets a 400. SIGHUP reloads the file in every serve
 process (serve.app); a file that does not parse leaves the keys as they were.
 """
 
@@ -20,10 +23,18 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from producer.keys import LANES
+from producer.protocol import INT32_MAX
+
 KEY_ID_HEX = 16
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.@-]{1,64}$")
 _HASH_RE = re.compile(r"^sha256:([0-9a-fA-F]{64})$")
 _LIMIT_RE = re.compile(r"^(rpm|tpm|max_jobs|max_batches|max_file_bytes)=(\d+)$")
+_OPTION_RE = re.compile(r"^(lane|top_priority)=(.*)$")
+_INT_RE = re.compile(r"^-?\d{1,10}$")
+INTERACTIVE = "interactive"
+SYNTAX = ("`[NAME:] KEY [rpm=N] [tpm=N] [max_jobs=N] [max_batches=N] [max_file_bytes=N] [lane=LANE] "
+          "[top_priority=N]`")
 
 
 def digest(secret: str) -> str:
@@ -48,6 +59,8 @@ class ApiKey:
     max_jobs: int | None = None
     max_batches: int | None = None
     max_file_bytes: int | None = None
+    lane: str = INTERACTIVE  # its requests' lane, and the most urgent one it may ask for
+    top_priority: int = 0  # the most urgent (lowest) `priority` its requests may ask for
 
     @property
     def id(self) -> str:
@@ -63,17 +76,19 @@ def parse_line(line: str, where: str = "") -> ApiKey | None:
     words = line.split()
     if not words or words[0].startswith("#"):
         return None
-    limits = {}
+    limits: dict[str, int | str] = {}
     rest = []
     for w in words:
         m = _LIMIT_RE.match(w)
+        o = _OPTION_RE.match(w) if m is None else None
         if m:
             limits[m.group(1)] = int(m.group(2))
+        elif o:
+            limits[o.group(1)] = _option(o.group(1), o.group(2), where)
         else:
             rest.append(w)
     if len(rest) not in (1, 2):
-        raise KeyFileError(f"{where}give `[NAME:] KEY [rpm=N] [tpm=N] [max_jobs=N] [max_batches=N] "
-                           "[max_file_bytes=N]` (a key has no spaces)")
+        raise KeyFileError(f"{where}give {SYNTAX} (a key has no spaces)")
     secret = rest[-1]
     m = _HASH_RE.match(secret)
     hashed = m.group(1).lower() if m else digest(secret)
@@ -81,6 +96,17 @@ def parse_line(line: str, where: str = "") -> ApiKey | None:
     if not _NAME_RE.match(name):
         raise KeyFileError(f"{where}a key's name is 1-64 characters of [A-Za-z0-9_.@-], got {name!r}")
     return ApiKey(name, hashed, **limits)
+
+
+def _option(name: str, value: str, where: str) -> int | str:
+    if name == "lane":
+        if value not in LANES:
+            raise KeyFileError(f"{where}lane= must be one of {', '.join(LANES)}, got {value!r}")
+        return value
+    if not _INT_RE.match(value) or abs(int(value)) > INT32_MAX:
+        raise KeyFileError(f"{where}top_priority= must be an integer from {-INT32_MAX} to {INT32_MAX} (lower runs "
+                           f"first), got {value!r}")
+    return int(value)
 
 
 def parse(text: str, source: str = "key file") -> list[ApiKey]:

@@ -31,9 +31,10 @@ READ_CHUNK = 1000  # lines read (validated) per step off the event loop, then st
 
 
 def create(config: ServeConfig, input_file_id: str, endpoint: str, window_s: int, asked: dict,
-           owner: str | None = None, max_batches: int = 0) -> Flow:
+           owner: str | None = None, max_batches: int = 0, top_priority: int | None = None) -> Flow:
     """Create a batch of the file's lines (`asked`: the fields of its hash the request gave) as key id `owner`'s
-    (within its cap of `max_batches` unended batches, 0: none) and submit its jobs; returns its id."""
+    (within its cap of `max_batches` unended batches, 0: none; its lines may ask for a priority down to
+    `top_priority`, None: any) and submit its jobs, in the batch lane and the owner's group; returns its id."""
     batch_id = batch_store.new_id()
     now = int(time.time())
     if owner:
@@ -56,7 +57,7 @@ def create(config: ServeConfig, input_file_id: str, endpoint: str, window_s: int
         if owner:
             yield from batch_store.ended(batch_id, owner)
         return batch_id
-    reader = (batch_id, endpoint, config, window_s)  # read_chunk's first arguments
+    reader = (batch_id, endpoint, config, window_s, (owner, top_priority))  # read_chunk's first arguments
     try:
         if (yield from _read(batch_id, owner, lines, reader, config.store_ttl_s, holder)):
             yield from progress.submit_jobs(batch_id, owner, holder)

@@ -5,6 +5,9 @@ Reading lines is CPU work (JSON, the request's checks, a constraint's grammar): 
 serve.cpu_process's process (read_chunk), a chunk at a time, where holding the GIL stalls no stream. A line is checked as the live routes check a request (serve.translate.parse,
 the size limits of producer.protocol.Limits) and whatever is wrong with it becomes its error line; nothing one
 line holds stops the others.
+
+Every line's job runs in the batch lane, in its API key's fair-share group, at `--batch-priority` unless it sends
+a priority its key allows (serve.lanes: a line asking for more, or for service_tier "priority", is a line error).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from producer.protocol import JobRequest, JobResult, Limits, lone_surrogate
-from serve import responses
+from serve import lanes, responses
 from serve.check_budget import CheckBudget
 from serve.config import ServeConfig
 from serve.errors import APIError, from_result
@@ -74,13 +77,15 @@ class LineReader:
     job."""
 
     def __init__(self, batch_id: str, endpoint: str, config: ServeConfig, timeout_s: float,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None, group: str | None = None, top_priority: int | None = None) -> None:
         self.batch_id = batch_id
         self.endpoint = endpoint
         self.kind: Kind = endpoint_kind(endpoint)
         self.config = config
         self.timeout_s = timeout_s  # a job still queued when the window closes expires by itself
         self.limits = limits or Limits()  # the live routes' (their AsyncClients' default), which workers enforce
+        self.group = group  # the batch's key's id (None without keys): its jobs' fair-share group
+        self.top_priority = top_priority  # the most urgent priority its lines may ask for; None: any
         self.seen: set[str] = set()
         self.budget = CheckBudget(config.constraint_check_s)  # the live routes' budget too
 
@@ -141,16 +146,16 @@ class LineReader:
                 raise APIError(404, f"The model `{p.model}` is not served here", param="model",
                                code="model_not_found")
             self.limits.check(p.request)
+            req = lanes.batch_line(p.request, p.service_tier, self.top_priority, self.group,
+                                   self.config.batch_priority)
         except APIError as e:
             return Item(cid, error={"code": e.code or e.type, "message": e.message, "param": e.param})
         except TimeoutError as e:
             return Item(cid, error={"code": "constraint_timeout", "message": f"the constraint was not checked: {e}"})
         except ValueError as e:  # a size limit
             return Item(cid, error={"code": "limit_exceeded", "message": str(e)})
-        extra: dict = {"timeout_s": self.timeout_s}
-        if "priority" not in body:
-            extra["priority"] = self.config.batch_priority
-        return Item(cid, p.request.model_copy(update=extra), self.config.queue_of(p.model), p.logprobs)
+        return Item(cid, req.model_copy(update={"timeout_s": self.timeout_s}), self.config.queue_of(p.model),
+                    p.logprobs)
 
     def _parse(self, body: object, job_id: str) -> Parsed:
         args = (self.kind, body, job_id, self.config.default_max_tokens)
@@ -209,10 +214,13 @@ def output_lines(batch_id: str, kind: Kind, first: int, raw_items: list[str | No
 _readers: OrderedDict[str, LineReader] = OrderedDict()  # each batch's, across its chunks (the custom_ids it saw)
 
 
-def read_chunk(batch_id: str, endpoint: str, config: ServeConfig, timeout_s: float, lines: list[str], first: int
-               ) -> Chunk:
-    """LineReader.read of the batch's reader, made at its first chunk."""
-    reader = _readers.pop(batch_id, None) or LineReader(batch_id, endpoint, config, timeout_s)
+def read_chunk(batch_id: str, endpoint: str, config: ServeConfig, timeout_s: float,
+               allowance: tuple[str | None, int | None], lines: list[str], first: int) -> Chunk:
+    """LineReader.read of the batch's reader, made at its first chunk; `allowance`: its key's id (the jobs'
+    group) and top_priority, (None, None) without keys."""
+    group, top = allowance
+    reader = _readers.pop(batch_id, None) or LineReader(batch_id, endpoint, config, timeout_s, group=group,
+                                                        top_priority=top)
     _readers[batch_id] = reader
     while len(_readers) > READERS_KEPT:
         _readers.popitem(last=False)[1].close()

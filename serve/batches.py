@@ -26,9 +26,11 @@ WINDOWS = {"24h": 24 * 3600}
 
 
 def create(config: ServeConfig, input_file_id: str, endpoint: str, completion_window: str = "24h",
-           metadata: dict | None = None, owner: str | None = None, max_batches: int = 0) -> Flow:
+           metadata: dict | None = None, owner: str | None = None, max_batches: int = 0,
+           top_priority: int | None = None) -> Flow:
     """Create a batch from an uploaded file (of key id `owner`, which then owns the batch and its jobs, within its
-    cap of `max_batches` unended batches: 0, none) and submit its jobs; returns the batch object."""
+    cap of `max_batches` unended batches: 0, none; its lines' priorities no more urgent than `top_priority`, None:
+    any) and submit its jobs (in the batch lane, the owner's group); returns the batch object."""
     if endpoint not in ENDPOINTS:
         raise bad_request(f"endpoint {endpoint!r} is not supported; pagedq runs {', '.join(ENDPOINTS)}", "endpoint")
     if completion_window not in WINDOWS:
@@ -44,7 +46,7 @@ def create(config: ServeConfig, input_file_id: str, endpoint: str, completion_wi
                           "input_file_id")
     fields = {"completion_window": completion_window, "metadata": json.dumps(metadata or {})}
     batch_id = yield from batch_intake.create(config, input_file_id, endpoint, WINDOWS[completion_window], fields,
-                                              owner, max_batches)
+                                              owner, max_batches, top_priority)
     return (yield from show(batch_id, owner))
 
 

@@ -1,10 +1,11 @@
 """POST /v1/chat/completions and /v1/completions: each request is one queue job, answered whole or streamed.
 
 Cheap checks come first, so that a request refused costs little whatever it holds: the key (serve.auth) and the
-body's size (serve.body_limit) before the handler runs, then the body parsed and held to the client's limits, then
-the process's and the key's admission (open requests, the queue's depth, the key's rates and cap on jobs), and only
-then its constraint compiled, off the event loop (serve.checks), and its job submitted. A large body is parsed
-in another process (serve.cpu_process): its decoding would hold the GIL, and so every stream, for tens of ms.
+body's size (serve.body_limit) before the handler runs, then the body parsed and held to the client's limits and
+its key's lane and priority allowance (serve.lanes), then the process's and the key's admission (open requests,
+the depth of the job's lane, the key's rates and cap on jobs), and only then its constraint compiled, off the
+event loop (serve.checks), and its job submitted. A large body is parsed in another process (serve.cpu_process):
+its decoding would hold the GIL, and so every stream, for tens of ms.
 
 A request waits on its job through the process's event reader (serve.events), holding no Redis connection; a
 process answers at most max_open_requests of them at once (429 with Retry-After past it). A streamed request whose
@@ -28,7 +29,7 @@ from starlette.responses import Response
 
 from producer import AsyncClient, DuplicateJobError, JobNotFound
 from producer.protocol import JobResult, Limits, StreamEvent
-from serve import cpu_process, responses, tenancy
+from serve import cpu_process, lanes, responses, tenancy
 from serve.api_keys import ApiKey
 from serve.auth import key_of
 from serve.checks import Checks
@@ -54,6 +55,7 @@ async def handle(kind: Kind, request: Request, queues: Queues, tenants: Tenants,
     idem = request.headers.get(IDEMPOTENCY_HEADER)
     p = await cpu_process.acall(len(raw), read, kind, raw, tenancy.job_id(key, idem),
                                 queues.config.default_max_tokens)
+    p.request = lanes.interactive(p.request, p.service_tier, key)  # its lane and group; a 400 past the key's
     client = queues.for_model(p.model)
     queues.admit()
     sub: Subscription | None = None
@@ -121,7 +123,7 @@ async def _submit(client: AsyncClient, queues: Queues, tenants: Tenants, checks:
             return None, False  # a retry: the job exists, whatever the queue's depth now (and its constraint ok)
         except JobNotFound:
             pass
-    await queues.check_depth(client)
+    await queues.check_depth(client, p.request.lane)
     charged = tenancy.estimate(p.request) if key is not None else 0
     await tenants.admit(key, charged)
     if p.request.constraint is not None:  # costly: only for a request that would be queued otherwise
@@ -134,8 +136,11 @@ async def _submit(client: AsyncClient, queues: Queues, tenants: Tenants, checks:
     try:
         if key is None:
             await queues.submit(client, p.request)
-            return None, True
-        return await tenants.submit(client.keys, p.request, key, charged), True
+            ticket = None
+        else:
+            ticket = await tenants.submit(client.keys, p.request, key, charged)
+        queues.submitted(client, p.request.lane)
+        return ticket, True
     except DuplicateJobError:
         if not keyed:  # a random id that exists: not a retry, so not this request's job
             raise

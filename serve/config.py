@@ -27,7 +27,7 @@ class ServeConfig(BaseModel):
     # How the server's processes log: uvicorn starts its --workers afresh, and each sets its logging up from these.
     log_level: str | None = None
     log_format: str | None = None
-    max_queue_depth: int | None = None  # queued + running jobs at which new requests get 429
+    max_queue_depth: int | None = None  # queued + running jobs of a lane at which new requests for it get 429
     retry_after_s: int = 1
     # Load: completion requests one process answers at once (past it: 429 with Retry-After). Waiting costs no
     # connection (serve.events), so this bounds memory and the CPU of streaming, not Redis.
@@ -48,7 +48,7 @@ class ServeConfig(BaseModel):
     stream_buffer_events: int = 4096
     stream_buffer_bytes: int = 2**20
     store_ttl_s: int = STORE_TTL_S
-    batch_priority: int = 10  # batch jobs run after interactive ones (lower runs first)
+    batch_priority: int = 10  # of batch lines that send none (they run in the batch lane; lower runs first)
     sweep_interval_s: float = 1.0  # how often each process advances unfinished batches
     # What one batch, and one key's batches and files, may take (a key file may set a key's own; 0 lifts one).
     max_batch_lines: int = 50_000  # requests in one batch (OpenAI's limit): a longer file is refused, 400

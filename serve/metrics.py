@@ -30,6 +30,14 @@ class ServeMetrics:
                                   "open_requests, queue_full, redis_busy, constraint_busy (429), "
                                   "redis_unavailable (503)",
                                   ["reason"], registry=reg)
+        self.queue_full = pc.Counter("pagedq_serve_queue_full",
+                                     "Completion requests refused because the lane of the queue their job would "
+                                     "join held --max-queue-depth jobs (also in pagedq_serve_refused, "
+                                     "reason queue_full), by queue and lane", ["queue", "lane"], registry=reg)
+        self.jobs_submitted = pc.Counter("pagedq_serve_jobs_submitted",
+                                         "Jobs this process queued, by lane: completion requests, and the lines of "
+                                         "the batches it created (each batch's, once its lines were read)",
+                                         ["lane"], registry=reg)
         self.reader_waiters = pc.Gauge("pagedq_serve_reader_waiters",
                                        "Requests waiting on each event reader (serve.events)", ["reader"],
                                        registry=reg)

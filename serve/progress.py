@@ -29,6 +29,7 @@ from producer import calls, defaults, flows, wire
 from producer.calls import Owner
 from producer.flows import Cmd, Flow, Offload, Pipe
 from producer.keys import BatchKeys, Keys
+from producer.protocol import JobRequest
 from serve import batch_store, files, tenancy
 from serve.batch_lease import Holder, LeaseLost
 from serve.batch_lines import Item, output_lines
@@ -46,6 +47,7 @@ from serve.batch_store import (
     WRITE_CHUNK,
 )
 from serve.config import STORE_TTL_S
+from serve.lanes import BATCH
 from serve.translate import endpoint_kind
 
 log = logging.getLogger("pagedq.serve")
@@ -128,7 +130,16 @@ def submit_jobs(batch_id: str, owner: str | None, holder: Holder) -> Flow:
 def _submits(raw_items: list[str | None], owner: str | None) -> list[calls.Call]:
     who = Owner(owner) if owner else None
     items = [Item.from_json(r) for r in raw_items if r]
-    return [calls.submit(Keys(it.queue), it.request, who) for it in items if it.request is not None]
+    return [calls.submit(Keys(it.queue), _on_batch_lane(it.request, owner), who) for it in items
+            if it.request is not None]
+
+
+def _on_batch_lane(req: JobRequest, owner: str | None) -> JobRequest:
+    """A line's job as its item holds it: in the batch lane, the owner's group (serve.lanes). An item stored before
+    items named a lane is put there now."""
+    if req.lane == BATCH:
+        return req
+    return req.model_copy(update={"lane": BATCH, "group": owner})
 
 
 def cancel_open(batch_id: str) -> Flow:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
@@ -26,6 +27,7 @@ from producer.connection import (
     detect_cluster,
     resolve_url,
 )
+from producer.keys import Keys
 from producer.protocol import JobRequest
 from serve.config import ServeConfig
 from serve.errors import APIError
@@ -34,6 +36,7 @@ from serve.metrics import ServeMetrics
 from serve.submits import Submits
 
 CLIENT_NAME = "pagedq-serve"  # CLIENT SETNAME of the pooled connections (CLIENT LIST shows them)
+DEPTH_CACHE_S = 0.5  # how long a process reuses a lane's depth it read (counting what it queued meanwhile)
 _POOLED_SCHEMES = ("redis", "rediss", "unix")
 
 
@@ -120,6 +123,7 @@ class Queues:
                                    bound=Bound(config.stream_buffer_events, config.stream_buffer_bytes))
         self._clients: dict[str, AsyncClient] = {}
         self._submits: dict[str, Submits] = {}
+        self._depths: dict[tuple[str, str], list[float]] = {}  # (queue, lane) -> [depth, read until (monotonic)]
         self.open = 0  # completion requests admitted and not yet answered
 
     def client(self, queue: str) -> AsyncClient:
@@ -160,15 +164,48 @@ class Queues:
         self.open -= 1
         self.metrics.open_requests.set(self.open)
 
-    async def check_depth(self, client: AsyncClient) -> None:
-        """429 when the queue holds max_queue_depth jobs (queued + running: acked entries are deleted)."""
+    async def check_depth(self, client: AsyncClient, lane: str) -> None:
+        """429 when the job's lane of the queue holds max_queue_depth jobs (queued + running: acked entries are
+        deleted). Per lane: a full batch lane never turns away an interactive request."""
         limit = self.config.max_queue_depth
         if limit is None:
             return
-        depth = await self.redis.xlen(client.keys.jobs)
+        depth = await self.depth(client.keys, lane)
         if depth >= limit:
-            raise self.refuse(429, f"queue {client.keys.queue} is full ({depth} jobs queued or running, the limit "
-                              f"is {limit}); retry later", "queue_full")
+            self.metrics.queue_full.labels(client.keys.queue, lane).inc()
+            raise self.refuse(429, f"the {lane} lane of queue {client.keys.queue} is full ({depth} jobs queued or "
+                              f"running, the limit is {limit}); retry later", "queue_full")
+
+    async def depth(self, keys: Keys, lane: str) -> int:
+        """The jobs queued or running in the lane: its own stream's and its groups' streams' entries. Read in two
+        round trips (the groups, then their streams' lengths) at most every DEPTH_CACHE_S per lane; in between,
+        the figure read last plus the jobs this process queued there since."""
+        now = time.monotonic()
+        cached = self._depths.get((keys.queue, lane))
+        if cached is not None and now < cached[1]:
+            return int(cached[0])
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.smembers(keys.lane_groups(lane))
+        pipe.xlen(keys.stream(lane))
+        groups, depth = await pipe.execute()
+        streams = []
+        for g in groups:
+            with contextlib.suppress(ValueError):  # a name that makes no key holds no job of ours
+                streams.append(keys.stream(lane, g))
+        if streams:
+            pipe = self.redis.pipeline(transaction=False)
+            for name in streams:
+                pipe.xlen(name)
+            depth += sum(await pipe.execute())
+        self._depths[(keys.queue, lane)] = [depth, now + DEPTH_CACHE_S]
+        return depth
+
+    def submitted(self, client: AsyncClient, lane: str) -> None:
+        """This process queued a job on the lane: counted, and in the lane's cached depth."""
+        self.metrics.jobs_submitted.labels(lane).inc()
+        cached = self._depths.get((client.keys.queue, lane))
+        if cached is not None:
+            cached[0] += 1
 
     async def close(self) -> None:
         for submits in self._submits.values():

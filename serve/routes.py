@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from producer import flows
-from serve import batches, completions, files
+from serve import batches, completions, files, lanes
 from serve.auth import key_of
 from serve.body_limit import FORM_SLACK
 from serve.checks import Checks
@@ -181,9 +181,13 @@ def batch_routes(config: ServeConfig, queues: QueuesOf, metrics: ServeMetrics, t
             raise bad_request(f"Unrecognized request argument supplied: {sorted(unknown)[0]}", sorted(unknown)[0])
         key = key_of(request)
         flow = batches.create(config, body["input_file_id"], body["endpoint"], body.get("completion_window") or "24h",
-                              body.get("metadata"), owner_of(request), tenants.limits(key).max_batches)
+                              body.get("metadata"), owner_of(request), tenants.limits(key).max_batches,
+                              key.top_priority if key else None)
         out = await tenants.limited(key, _run(queues(), flow))
         metrics.batches.inc()
+        if out.get("status") not in ("validating", "failed"):  # its lines' jobs were queued (batch lane)
+            counts = out.get("request_counts") or {}
+            metrics.jobs_submitted.labels(lanes.BATCH).inc(max(0, counts.get("total", 0) - counts.get("failed", 0)))
         return out
 
     @router.get("/v1/batches")

@@ -14,6 +14,10 @@ A field sent as null counts as absent (the SDKs and many apps send nulls). Beyon
 sampling extensions that the engine has are accepted too (`top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos`, `stop_token_ids`, and on both endpoints `best_of` and beam search: `use_beam_search`,
 `length_penalty`, `early_stopping`, the width being `best_of` or else `n`), and `priority`.
+
+OpenAI's `service_tier` (on both endpoints) picks the job's lane: "auto"/"default" the API key's, "flex" the batch
+lane, "priority" the interactive lane. `parse` only checks that it is one of those; what a key may ask for, and
+the lane and group its job gets, are serve.lanes'.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pydantic import ValidationError
 from producer.protocol import JobRequest, lone_surrogate
 from serve import constraints
 from serve.errors import APIError, bad_request, unsupported
+from serve.lanes import TIERS
 from serve.tools import ToolCalls, parse_tools
 
 CHAT = "/v1/chat/completions"
@@ -37,9 +42,9 @@ CONSTRAINTS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "max_tokens", "stop", "seed", "n",
            "presence_penalty", "frequency_penalty", "user", "logprobs",
            "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "priority", "best_of",
-           "use_beam_search", "length_penalty", "early_stopping", "response_format", *CONSTRAINTS}
+           "use_beam_search", "length_penalty", "early_stopping", "response_format", "service_tier", *CONSTRAINTS}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "metadata", "safety_identifier",
-                   "prompt_cache_key", "store", "service_tier", "modalities", "tools", "tool_choice",
+                   "prompt_cache_key", "store", "modalities", "tools", "tool_choice",
                    "parallel_tool_calls"}
 _COMPLETION = _COMMON | {"prompt", "echo", "suffix"}
 # OpenAI fields pagedq does not do at all (named in the 400); any other unknown field is unrecognized.
@@ -67,6 +72,7 @@ class Parsed:
     logprobs: bool = False
     tools: ToolCalls | None = None  # the output is a forced tool call
     constraint_param: str | None = None  # the field the request's constraint came from, named in its 400
+    service_tier: str | None = None  # OpenAI's, as sent (one of serve.lanes.TIERS): serve.lanes picks the lane
 
 
 def parse(kind: Kind, body: Any, job_id: str | None = None, default_max_tokens: int | None = None,
@@ -118,6 +124,9 @@ def parse(kind: Kind, body: Any, job_id: str | None = None, default_max_tokens: 
     if logprobs is not None:
         fields["logprobs"] = logprobs
     fields["metadata"] = _metadata(body)
+    tier = body.get("service_tier")
+    if tier is not None and (not isinstance(tier, str) or tier not in TIERS):
+        raise bad_request(f"service_tier must be one of {', '.join(TIERS)}", "service_tier")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad_request("stream must be true or false", "stream")
@@ -138,7 +147,8 @@ def parse(kind: Kind, body: Any, job_id: str | None = None, default_max_tokens: 
         param = "tools" if tools is not None else next(n for n in ("response_format", *CONSTRAINTS) if n in body)
         if check:
             constraints.check_now(req.constraint, param)
-    return Parsed(kind, model, req, stream, bool(options.get("include_usage")), logprobs is not None, tools, param)
+    return Parsed(kind, model, req, stream, bool(options.get("include_usage")), logprobs is not None, tools, param,
+                  tier)
 
 
 def _check_unicode(body: dict) -> None:
@@ -163,8 +173,6 @@ def _check_neutral(kind: Kind, body: dict) -> None:
         raise unsupported("modalities", "text only")
     if body.get("store", False):
         raise unsupported("store", "completions are not stored")
-    if body.get("service_tier", "auto") not in ("auto", "default"):
-        raise unsupported("service_tier", "auto or default only")
 
 
 def _messages(raw: Any) -> list[dict]:

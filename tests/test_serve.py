@@ -199,10 +199,10 @@ def test_queue_full_auth_and_unsupported_fields(redis_url, queue, start_serve, t
     with pytest.raises(openai.BadRequestError, match="best_of"):
         oa.completions.create(model="tiny", prompt="x", best_of=0)
 
-    # The queue holds two jobs (nobody runs them): the third request is turned away with Retry-After.
+    # The interactive lane holds two jobs (nobody runs them): the third request is turned away with Retry-After.
     with Client(redis_url, queue=queue) as c:
-        c.submit(prompt="one")
-        c.submit(prompt="two")
+        c.submit(prompt="one", lane="interactive")
+        c.submit(prompt="two", lane="interactive", group="someone")
     r = httpx.post(f"{base}/v1/chat/completions", headers=ok, json={"model": "tiny", "messages": msgs})
     assert r.status_code == 429 and r.headers["retry-after"] == "3"
     assert r.json()["error"]["code"] == "queue_full"

@@ -223,7 +223,7 @@ def test_rate_limits_and_the_cap_on_jobs_per_key(redis_url, queue, rds, start_se
     assert sorted(codes) == [0] * 3 + [429] * 9, codes
     delta = Keys(queue).owner_jobs(key_id(kd))
     assert rds.zcard(delta) == 3
-    queued = [json.loads(f["job"])["id"] for _, f in rds.xrange(Keys(queue).jobs)]
+    queued = [json.loads(f["job"])["id"] for _, f in rds.xrange(Keys(queue).stream("interactive", key_id(kd)))]
     assert sum(j.startswith(key_id(kd)) for j in queued) == 3
     r = httpx.post(f"{base}/v1/chat/completions", headers=bearer(kd), json={"model": "tiny", "messages": msgs})
     assert r.status_code == 429 and r.json()["error"]["code"] == "key_queue_full" and "delta" in r.text
