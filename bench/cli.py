@@ -12,9 +12,9 @@ from bench import gpu_check
 from bench.workloads import NAMES
 from engine.config import DEFAULT_MODEL, QUANTIZATIONS
 
-# The last five are runs of their own (bench.overhead, bench.parallel, bench.serve_load, bench.structured,
-# bench.serve_isolation).
-WORKLOADS = (*NAMES, "overhead", "parallel", "serve-load", "json", "serve-isolation")
+# The last six are runs of their own (bench.overhead, bench.parallel, bench.serve_load, bench.structured,
+# bench.serve_isolation, bench.fairness).
+WORKLOADS = (*NAMES, "overhead", "parallel", "serve-load", "json", "serve-isolation", "fairness")
 SYSTEMS = ("pagedq", "pagedq-redis", "hf-generate", "hf-static", "hf-cb", "pagedq-serve", "vllm", "llamacpp")
 DEFAULT_SYSTEMS = SYSTEMS[:-2]  # vLLM and llama.cpp when asked for: each needs an install of its own
 
@@ -133,6 +133,14 @@ def bench(model, device, dtype, workloads, systems, quick, num_requests, hf_sing
             workloads = [w for w in workloads if w != "serve-isolation"]
             run_serve_isolation(device or "cpu", quick, num_requests.get("serve-isolation"), out_dir=out_dir,
                                 echo=click.echo)
+            if not workloads:
+                return
+        if "fairness" in workloads:  # its own workers, lanes and groups: a run of its own (-n: the batch's jobs)
+            from bench.fairness import run_fairness
+
+            workloads = [w for w in workloads if w != "fairness"]
+            run_fairness(device or "cpu", quick, num_requests.get("fairness"), model, max_num_seqs, out_dir=out_dir,
+                         echo=click.echo)
             if not workloads:
                 return
         run_bench(model, device, workloads, systems, quick, out_dir, dtype=dtype, num_requests=num_requests,

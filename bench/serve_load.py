@@ -215,7 +215,10 @@ def start_logged(cmd: list[str], log_path: Path) -> subprocess.Popen:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
 
-def wait_health(base: str, proc: subprocess.Popen, log_path: Path, timeout: float = 60) -> None:
+def wait_health(base: str, proc: subprocess.Popen, log_path: Path, timeout: float = 60,
+                what: str = "pagedq serve") -> None:
+    """Until GET base/health answers 200 (serve's health route; a worker's --metrics-port answers any path once its
+    model is loaded); fails with the log's tail if `proc` exits or `timeout` passes first."""
     import httpx
 
     end = time.monotonic() + timeout
@@ -226,7 +229,7 @@ def wait_health(base: str, proc: subprocess.Popen, log_path: Path, timeout: floa
         except httpx.HTTPError:
             pass
         if proc.poll() is not None or time.monotonic() > end:
-            raise RuntimeError(f"pagedq serve did not start: {log_path.read_text()[-1500:]}")
+            raise RuntimeError(f"{what} did not start: {log_path.read_text()[-1500:]}")
         time.sleep(0.1)
 
 

@@ -251,3 +251,22 @@ def test_json_workload_compares_constrained_with_unconstrained(tmp_path, tiny_mo
     assert data["target"]["target"] == 0.9
     assert data["compile_ms"]["schemas"] == 16 and set(data["mask_ms"]) == {"64", "256"}
     assert all(m["fill"] > 0 and m["apply"] > 0 for m in data["mask_ms"].values())
+
+
+def test_fairness_workload_smoke(tiny, tmp_path):
+    """`pagedq bench -w fairness` on a tiny model and a few jobs: every phase runs end to end and the JSON has each
+    figure (the measurement itself is the benchmark's, not the suite's)."""
+    from bench.fairness import WEIGHTS, run_fairness
+
+    data = run_fairness("cpu", quick=True, batch_jobs=40, model=tiny, out_dir=str(tmp_path), echo=lambda s: None,
+                        urgent=2, group_jobs=14)
+    assert json.loads((tmp_path / "fairness.json").read_text())["workload"] == "fairness"
+    assert data["alone"]["n"] == data["behind"]["spaced"]["n"] == data["behind"]["burst"]["n"] == 2
+    assert all(data["ttft_ratio"][k]["p50"] > 0 for k in ("spaced", "burst"))
+    # None of the batch went before an urgent job beyond the lane floor's share (whether the tiny model's batch was
+    # still queued then is timing: batch_queued_at_enqueue_min, not asserted).
+    assert data["behind"]["spaced"]["batch_started_between_max"] <= 1
+    groups = data["groups"]
+    assert groups["jobs_measured"] == 21 and set(groups["groups"]) == set(WEIGHTS)
+    assert abs(sum(g["share"] for g in groups["groups"].values()) - 1) < 1e-9
+    assert data["machine"]["cpu"] and set(data["met"]) == {"ttft_ratio", "group_shares"}
