@@ -30,6 +30,8 @@ class EngineConfig:
     # None: the model's max_position_embeddings.
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    # Preempt less urgent running requests for an urgent one that a full batch stops, else it waits them all out.
+    preempt_for_priority: bool = True
     # "auto": Triton on CUDA; on a CPU the C++ decode attention ("cpu", compiled on first use), or "torch" where
     # there is no compiler.
     attention_backend: str = "auto"

@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import gc
 import logging
+import math
 import random
 from collections import deque
 from collections.abc import Callable
@@ -99,7 +100,8 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids(folder, GenerationConfig)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner.tables = self.block_manager.tables
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.preempt_for_priority)
         self.groups = GroupSteps(self.scheduler, self.block_manager,
                                  lambda prompt, stop: Detokenizer(self.tokenizer, prompt, stop))
         self.rng = random.Random(config.seed)
@@ -143,11 +145,17 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         params: SamplingParams | None = None,
         priority: int = 0,
+        deadline: float | None = None,
         resume_token_ids: list[int] | None = None,
         resume_text: str = "",
         resume: dict[int, tuple[list[int], str, str | None]] | None = None,
     ) -> None:
         """Queue a request. Bad input raises ValueError and leaves the engine as it was.
+
+        priority: lower runs first; deadline (unix seconds, or None: after any deadline) orders requests of equal
+        priority, earliest first. A request more urgent by (priority, deadline) than running ones preempts them
+        when the batch is full (EngineConfig.preempt_for_priority). The deadline is not enforced: a request runs on
+        past it until the caller aborts it.
 
         resume_token_ids / resume_text: output already generated and streamed elsewhere (a crashed worker's job).
         The prompt and those tokens are prefilled, then generation goes on where it stopped; with greedy or seeded
@@ -185,7 +193,7 @@ class LLMEngine:
         for index, (tokens, _, reason) in choices.items():
             self._check_resumed(index, tokens, len(ids), params, done=reason is not None)
         seq = Sequence(request_id, ids, params, priority, seed=self.rng.getrandbits(63),
-                       eos_ids=frozenset(self.eos_token_ids), max_model_len=self.max_model_len)
+                       eos_ids=frozenset(self.eos_token_ids), max_model_len=self.max_model_len, deadline=deadline)
         seq.detok = Detokenizer(self.tokenizer, ids, params.stop)
         if params.width == 1:
             self._resume(seq, *choices.get(0, ([], "", None))[:2])
@@ -336,7 +344,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.runner.forget_steps(self.block_manager.tables)
-        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                                   self.config.preempt_for_priority)
         self.groups = GroupSteps(self.scheduler, self.block_manager, self.groups.detokenizer)
         self.last_batch = SchedulerOutput()
         return dropped
@@ -373,6 +382,13 @@ class LLMEngine:
 
     def num_admittable(self) -> int:
         return self.scheduler.num_admittable()
+
+    def num_preemptible(self, priority: int, deadline: float | None = None) -> int:
+        """Running sequences strictly less urgent than a request of this priority and deadline would be (0 without
+        EngineConfig.preempt_for_priority). With more than 0, such a request added now joins at the next step
+        however full the batch, by preempting them, unless even all of them hold too few KV blocks for its prompt.
+        One pass over the running requests."""
+        return self.scheduler.num_preemptible((priority, math.inf if deadline is None else deadline))
 
     @property
     def num_running(self) -> int:

@@ -1,16 +1,28 @@
-"""Iteration-level scheduling, vLLM v1 style.
+"""Iteration-level scheduling, vLLM v1 style, with vLLM's priority policy.
 
 Every step is one forward over a mixed batch under a token budget and a sequence cap: running requests first
-(a decode token each, or the next chunk of a long prompt), then waiting requests admitted while blocks and budget
-allow. When a running request needs a block and none is free, the most recently admitted request is preempted
-by recompute: its blocks are freed and it goes back to the head of the queue, to be prefilled again later with its
-prompt and the tokens it has generated so far.
+(a decode token each, or the next chunk of a long prompt), then waiting requests admitted in Sequence.sort_key
+order (priority, then deadline, then arrival) while blocks and budget allow.
+
+Preemption is by recompute: a request's blocks are freed and it goes back to the queue, ahead of later arrivals of
+its urgency, to be prefilled again later with its prompt and the tokens it has generated so far. The victim is
+always the least urgent running request (the highest Sequence.priority_key; among equals, the most recently
+admitted), a group (engine.group) whole. It happens
+- when a running request needs a block and none is free;
+- with preempt_for_priority, when the head of the queue cannot join (sequence cap or free blocks) and running
+  requests are strictly less urgent than it: as many of them as it takes, if that is enough, and it joins in the
+  same step. A request of equal or higher urgency is never preempted for it.
+Without preempt_for_priority the victim is simply the most recently admitted, and only memory preempts.
+After a preemption, only a request more urgent than one still running joins in that step: any other would be the
+next victim.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, Status
@@ -30,8 +42,7 @@ class SchedulerOutput:
         return sum(self.num_new_tokens)
 
 
-def _sort_key(seq: Sequence) -> tuple[int, int]:
-    return seq.sort_key
+_sort_key = attrgetter("sort_key")
 
 
 def _slots(seq: Sequence) -> int:
@@ -40,12 +51,14 @@ def _slots(seq: Sequence) -> int:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 preempt_for_priority: bool = True) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.preempt_for_priority = preempt_for_priority
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
-        self.running: list[Sequence] = []  # in admission order: the last one is preempted first
+        self.running: list[Sequence] = []  # in admission order: among equally urgent, the last is preempted first
         self.by_id: dict[str, Sequence] = {}
         self.finished_running = 0  # finished requests still in `running`, dropped at the next look at it
         self.unforked_slots = 0  # sequences admitted groups will add when they fork (their prompt done)
@@ -88,6 +101,13 @@ class Scheduler:
                   - sum(self.bm.blocks_needed(s.num_tokens) for s in self.waiting))
         return max(0, min(slots, blocks))
 
+    def num_preemptible(self, priority_key: tuple[int, float]) -> int:
+        """Running sequences strictly less urgent than a request of priority_key: what it may preempt to join."""
+        if not self.preempt_for_priority:
+            return 0
+        running = Status.RUNNING
+        return sum(1 for s in self.running if s.priority_key > priority_key and s.status is running)
+
     def _seqs_held(self) -> int:
         """Running sequences, and those groups that have not forked yet will add when they do."""
         return len(self.running) + self.unforked_slots
@@ -103,11 +123,8 @@ class Scheduler:
         while i < len(running) and budget > 0:
             seq = running[i]
             if seq.group is not None:  # continuations share blocks, and beams move together: the slow path
-                taken, kept = self._schedule_group(i, out, budget)
-                if not kept:
-                    break
+                i, taken = self._schedule_group(i, out, budget)
                 budget -= taken
-                i += len(self._unit(i))
                 continue
             done = seq.num_computed_tokens
             n = len(seq.token_ids) - done
@@ -122,15 +139,15 @@ class Scheduler:
                 budget -= n
                 i += 1
                 continue
-            if not self._make_room(self.bm.blocks_to_write(seq, n), [seq], out):
-                break
+            i, kept = self._make_room(self.bm.blocks_to_write(seq, n), [seq], out, i)
+            if not kept:  # it was the least urgent: the next one is at i now
+                continue
             self.bm.append(seq, n)
             add_seq(seq)
             add_count(n)
             budget -= n
             i += 1
-        # Admitting new work right after a preemption would only cause the next one.
-        while not out.preempted and self.waiting and budget > 0:
+        while self.waiting and budget > 0:
             taken = self._admit(out, budget)
             if taken is None:
                 break
@@ -145,19 +162,20 @@ class Scheduler:
             return [seq]
         return self.running[i: i + len(seq.group.seqs)]
 
-    def _schedule_group(self, i: int, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
-        """A group member's share of the step (a beam group's: all its beams) -> (tokens taken, whether the unit is
-        still running: False when it was preempted for room)."""
+    def _schedule_group(self, i: int, out: SchedulerOutput, budget: int) -> tuple[int, int]:
+        """A group member's share of the step (a beam group's: all its beams) -> (where in running the next unit
+        is, tokens taken): preemptions for room may have moved it, or taken this unit itself."""
         unit = self._unit(i)
         plan = self._plan(unit, budget)
         need = sum(self.bm.blocks_to_write(s, n) for s, n in plan)
-        if not self._make_room(need, unit, out):
-            return 0, False
+        i, kept = self._make_room(need, unit, out, i)
+        if not kept:
+            return i, 0
         for s, n in plan:
             self.bm.prepare_write(s, n)
             out.seqs.append(s)
             out.num_new_tokens.append(n)
-        return sum(n for _, n in plan), True
+        return i + len(unit), sum(n for _, n in plan)
 
     def _plan(self, unit: list[Sequence], budget: int) -> list[tuple[Sequence, int]]:
         """Tokens for each sequence of a unit within the budget. Beams sample in the same step or not at all: when
@@ -174,19 +192,34 @@ class Scheduler:
                 budget -= n
         return plan
 
-    def _make_room(self, need: int, unit: list[Sequence], out: SchedulerOutput) -> bool:
-        """Preempt the latest admitted (a whole group at once) until `need` blocks are free -> False if that took
-        the unit itself."""
+    def _make_room(self, need: int, unit: list[Sequence], out: SchedulerOutput, i: int) -> tuple[int, bool]:
+        """Preempt the least urgent (a whole group at once) until `need` blocks are free for `unit`, which starts at
+        running[i] -> (where it starts now, whether it is still running: False if it was the least urgent)."""
         while self.bm.num_free_blocks < need:
-            victims = self._members(self.running[-1])
-            for victim in victims:
-                self._unschedule(victim, out)
-                self.running.remove(victim)
-                self._preempt(victim)
-            out.preempted.extend(victims)
+            victims = self._members(self.running[self._victim()])
+            i -= self._evict(victims, out, i)
             if any(v in unit for v in victims):
-                return False
-        return True
+                return i, False
+        return i, True
+
+    def _victim(self) -> int:
+        """Where in running the next victim of memory pressure is: the least urgent, among equals the latest."""
+        running = self.running
+        if not self.preempt_for_priority:
+            return len(running) - 1
+        return max(range(len(running)), key=lambda j: (running[j].priority_key, j))
+
+    def _evict(self, victims: list[Sequence], out: SchedulerOutput, i: int) -> int:
+        """Preempt victims (taken out of this step where scheduled already) -> how many were before running[i]."""
+        before = 0
+        for victim in victims:
+            j = self.running.index(victim)
+            before += j < i
+            del self.running[j]
+            self._unschedule(victim, out)
+            self._preempt(victim)
+        out.preempted.extend(victims)
+        return before
 
     @staticmethod
     def _members(seq: Sequence) -> list[Sequence]:
@@ -200,23 +233,73 @@ class Scheduler:
                 del out.seqs[j], out.num_new_tokens[j]
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int | None:
-        """The head of the waiting queue (a whole group at once) -> tokens it takes, or None if it cannot join."""
+        """The head of the waiting queue (a whole group at once), less urgent running requests preempted for it
+        where that makes room -> tokens it takes, or None if it cannot join."""
         head = self.waiting[0]
         members = [s for s in self.waiting if s.group is head.group] if head.group is not None else [head]
         unforked = head.group is not None and not head.group.forked
         slots = head.group.width if unforked else len(members)
-        if self._seqs_held() + slots > self.max_num_seqs:
+        lack_slots = self._seqs_held() + slots - self.max_num_seqs
+        # Checked before the prefix lookups below: a full batch of equals asks this every step.
+        if (lack_slots > 0 or out.preempted) and not self._outranks(head):
             return None
         hits = [self.bm.match_prefix(s) for s in members]
-        tokens = [max(0, s.num_tokens - len(h) * self.bm.block_size) for s, h in zip(members, hits)]
-        # Blocks for what this step can run of each (a long prompt's later chunks take theirs when they run).
-        need = sum(self.bm.blocks_needed(len(h) * self.bm.block_size + min(n, budget)) - len(h)
-                   for h, n in zip(hits, tokens))
-        reclaimed = len({b for h in hits for b in h if self.bm.ref_counts[b] == 0})  # hits sitting in the free list
         # A group that forks later takes a block per other continuation then (a copy of the prompt's last block).
-        reserve = self.watermark + (slots - 1 if unforked else 0)
-        if self.bm.num_free_blocks - reclaimed < need + reserve:
-            return None
+        lack_blocks = self._lack_blocks(hits, [s.num_tokens for s in members], slots - 1 if unforked else 0, budget)
+        if lack_slots > 0 or lack_blocks > 0:
+            victims = self._victims(head.priority_key, hits, lack_slots, lack_blocks) \
+                if self.preempt_for_priority else None
+            if victims is None:
+                return None
+            for unit in victims:
+                self._evict(unit, out, 0)
+        return self._join(members, hits, out, budget)
+
+    def _outranks(self, head: Sequence) -> bool:
+        """Whether head may preempt: some running request is strictly less urgent."""
+        key = head.priority_key
+        return self.preempt_for_priority and any(s.priority_key > key for s in self.running)
+
+    def _lack_blocks(self, hits: list[list[int]], lengths: list[int], reserve: int, budget: int) -> int:
+        """Free blocks that sequences of these lengths and prefix hits lack to join now, keeping the watermark and
+        `reserve` more free (0 or less: none)."""
+        bs = self.bm.block_size
+        # Blocks for what this step can run of each (a long prompt's later chunks take theirs when they run).
+        need = sum(self.bm.blocks_needed(len(h) * bs + min(max(0, n - len(h) * bs), budget)) - len(h)
+                   for h, n in zip(hits, lengths))
+        reclaimed = len({b for h in hits for b in h if self.bm.ref_counts[b] == 0})  # hits sitting in the free list
+        return need + self.watermark + reserve - (self.bm.num_free_blocks - reclaimed)
+
+    def _victims(self, key: tuple[int, float], hits: list[list[int]], slots: int, blocks: int
+                 ) -> list[list[Sequence]] | None:
+        """The running units (a group whole) strictly less urgent than `key`, least urgent first (among equals the
+        latest), that free `slots` sequence slots and `blocks` blocks -> None if all of them would not. Blocks that
+        others share stay taken, and prefix hits of the request to join do not count: it takes those itself."""
+        running, ref_counts = self.running, self.bm.ref_counts
+        order = sorted((j for j, s in enumerate(running) if s.priority_key > key),
+                       key=lambda j: (running[j].priority_key, j), reverse=True)
+        hit = {b for h in hits for b in h}
+        held: Counter[int] = Counter()
+        units, taken = [], set()
+        for j in order:
+            if slots <= 0 and blocks <= 0:
+                break
+            if running[j] in taken:
+                continue
+            unit = self._members(running[j])
+            taken.update(unit)
+            units.append(unit)
+            group = unit[0].group
+            slots -= len(unit) + (group.width - 1 if group is not None and not group.forked else 0)
+            for block in (b for s in unit for b in s.block_table):
+                held[block] += 1
+                if held[block] == ref_counts[block] and block not in hit:
+                    blocks -= 1
+        return units if slots <= 0 and blocks <= 0 else None
+
+    def _join(self, members: list[Sequence], hits: list[list[int]], out: SchedulerOutput, budget: int) -> int:
+        """Admit members (the head of the queue, a group whole) with their prefix hits -> tokens they take."""
+        group = members[0].group
         for seq, h in zip(members, hits):
             self.waiting.remove(seq)
             self.bm.allocate(seq, 0, h)
@@ -224,10 +307,9 @@ class Scheduler:
                 seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = Status.RUNNING
             self.running.append(seq)
-        if unforked:
-            self.unforked_slots += slots - 1
-        plan = self._plan(members, budget) if head.group is not None and head.group.is_beam else \
-            self._fill(members, budget)
+        if group is not None and not group.forked:
+            self.unforked_slots += group.width - 1
+        plan = self._plan(members, budget) if group is not None and group.is_beam else self._fill(members, budget)
         for seq, n in plan:
             self.bm.append(seq, n)
             out.seqs.append(seq)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 from enum import Enum, auto
 
 from engine.sampling_params import SamplingParams
@@ -29,13 +30,20 @@ class Sequence:
         seed: int = 0,
         eos_ids: frozenset[int] = frozenset(),
         max_model_len: int | None = None,
+        deadline: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.priority = priority
+        self.deadline = deadline  # unix seconds, or None: only an order among equal priorities, never enforced here
         self.arrival = next(_arrivals)
+        # Fixed for the request's life and read per sequence per step by the scheduler: computed once.
+        # priority_key: which of two requests is more urgent (the lower), for admission and preemption alike;
+        # sort_key adds arrival, so a preempted request goes back ahead of later arrivals of the same urgency.
+        self.priority_key: tuple[int, float] = (priority, math.inf if deadline is None else deadline)
+        self.sort_key: tuple[int, float, int] = (*self.priority_key, self.arrival)
         # Sampling draws depend on (seed, output position) only, so the batch around a request never matters.
         self.seed = params.seed if params.seed is not None else seed
         self.status = Status.WAITING
@@ -82,11 +90,6 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def sort_key(self) -> tuple[int, int]:
-        # Lower priority value first, then arrival: a preempted request goes back ahead of later arrivals.
-        return (self.priority, self.arrival)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "

@@ -10,23 +10,29 @@ def make(num_blocks=64, block_size=4, max_seqs=8, budget=64, prefix=True):
     return Scheduler(BlockManager(num_blocks, block_size, prefix), max_seqs, budget)
 
 
-def add(sched, rid, n_prompt, max_tokens=8, priority=0, first=0):
-    s = Sequence(rid, list(range(first, first + n_prompt)), SamplingParams(max_tokens=max_tokens), priority)
+def add(sched, rid, n_prompt, max_tokens=8, priority=0, first=0, deadline=None):
+    s = Sequence(rid, list(range(first, first + n_prompt)), SamplingParams(max_tokens=max_tokens), priority,
+                 deadline=deadline)
     sched.add(s)
     return s
 
 
-def fake_step(sched, token=7):
-    """One step with a fake model: every sequence that completes its tokens samples `token`."""
+def fake_step(sched, token=7, groups=None):
+    """One step with a fake model: every sequence that completes its tokens samples `token`. groups: the
+    engine.group_steps.GroupSteps that forks sampling groups when their prompt samples, as the engine's step does."""
     out = sched.schedule()
+    samplers = [s for s, n in zip(out.seqs, out.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
+    if groups is not None:
+        samplers, _ = groups.fork(samplers)
     for s, n in zip(out.seqs, out.num_new_tokens):
-        done_prompt = s.num_computed_tokens + n == s.num_tokens
         s.num_computed_tokens += n
         sched.bm.commit(s)
-        if done_prompt:
-            s.token_ids.append(token)
-            if s.num_output_tokens >= s.params.max_tokens:
-                sched.finish(s, "length")
+    for s in samplers:
+        s.token_ids.append(token)
+        if s.num_output_tokens >= s.params.max_tokens:
+            sched.finish(s, "length")
+            if s.group is not None:
+                groups.member_finished(s)
     return out
 
 
