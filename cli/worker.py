@@ -102,7 +102,7 @@ LIMIT_OPTIONS = {"max_prompt_chars": "max_prompt_chars", "max_tokens_limit": "ma
               help="Of every N+1 jobs taken while a lower lane has jobs waiting, one is that lane's: urgent lanes "
                    "first, yet batches are never starved")
 @click.option("--preempt-for-priority/--no-preempt-for-priority", envvar="PAGEDQ_PREEMPT_FOR_PRIORITY",
-              default=True, show_default=True,  # TEMP default_of(EngineConfig, "preempt_for_priority")
+              default=default_of(EngineConfig, "preempt_for_priority"), show_default=True,
               help="With the batch full, preempt the running jobs of a lower lane or priority for a more urgent job")
 @click.option("--strict/--no-strict", envvar="PAGEDQ_STRICT", default=default_of(WorkerConfig, "strict"),
               help="Refuse to start on a Redis that may evict keys (maxmemory-policy other than noeviction)")
@@ -159,7 +159,6 @@ def engine_config(options: dict[str, Any]) -> EngineConfig:
 
 def worker_config(options: dict[str, Any], model: str) -> WorkerConfig:
     """The WorkerConfig of the command's other options; `model`: the engine's."""
-    options.pop("preempt_for_priority", None)  # TEMP until EngineConfig has it
     limits = Limits(**{field: options.pop(option) for option, field in LIMIT_OPTIONS.items()})
     served = tuple(options.pop("served_model_name")) or (model,)
     worker_id = options.pop("worker_id")

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 from collections import Counter
 
 import pytest
 from faults import wait_for
 from preemptions import record_preemptions
 
+from monitor.fleet import live_workers
 from producer import Client, JobRequest
 from producer.groups import GroupSettings, set_group
 
@@ -114,6 +114,7 @@ def test_preempted_jobs_finish_as_undisturbed_ones_even_when_their_worker_is_kil
     urgent = c.submit_many(_jobs(2, "urgent-", lane="interactive", max_tokens=40))
     # The urgent jobs run, the batch jobs they displaced wait in the engine (preempted): kill the worker then.
     wait_for(lambda: all(c.redis.xlen(c.keys.events(j.id)) >= 2 for j in urgent), 60, "the urgent jobs running")
+    wait_for(lambda: any(w["waiting"] for w in live_workers(c.redis, c.keys)), 30, "batch jobs preempted, waiting")
     slow.send_signal(signal.SIGKILL)
     slow.wait(30)
     start_worker(queue, pq_tiny_model, *FLAGS)
@@ -133,4 +134,3 @@ def test_no_preemption_when_turned_off(redis_url, queue, pq_tiny_model, start_wo
     urgent = c.submit(_jobs(1, "urgent-", lane="interactive", max_tokens=4)[0]).result(timeout=120)
     # It waited for a batch job to end: no batch job was interrupted.
     assert urgent.timings.started_at >= min(j.result(timeout=60).timings.finished_at for j in low) - 0.5
-    time.sleep(0)

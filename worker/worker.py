@@ -166,7 +166,7 @@ class Worker:
             if room <= 0:
                 if idle:  # only un-acked results hold the room: wait for the publisher, not for Redis
                     self.publisher.wait_acks(self.publisher.pending_acks, 0.05)
-                elif getattr(self.engine.config, "preempt_for_priority", False):  # TEMP until the engine's lands
+                elif self.engine.config.preempt_for_priority:
                     self._urgent()
                 return
             if time.monotonic() >= self.next_reap:
@@ -305,7 +305,8 @@ class Worker:
         resume = {i: (tokens, text, reason) for i, tokens, text, reason in job.resumed}
         try:
             self.engine.add_request(job.id, prompt_token_ids=ids, params=params,
-                                    priority=engine_priority(job.lane, req.priority), resume=resume)  # TEMP deadline
+                                    priority=engine_priority(job.lane, req.priority), deadline=job.deadline,
+                                    resume=resume)
         except ValueError as e:
             raise Rejected("invalid_request", str(e)) from None
         self.active[job.id] = job
