@@ -231,6 +231,8 @@ class Intake:
                 taken += self._reclaim(lane, group, room - len(taken), idle_ms)
         if empty:
             run_calls(self.r, [calls.prune(self.keys, lane, group) for lane, group in empty], retries=0)
+        if taken:
+            log.info("reaper: reclaimed %d stalled jobs", len(taken))
         return taken
 
     def _reclaim(self, lane: str, group: str | None, room: int, idle_ms: int) -> list[Taken]:
