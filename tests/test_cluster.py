@@ -89,7 +89,8 @@ def test_two_queues_on_two_masters(layout, pq_tiny_model, start_worker, pq_refer
 def test_sigkill_resume_on_a_cluster(layout, pq_tiny_model, start_worker, pq_reference, pq_check_stream):
     qa, _, na, nb, third = layout
     c = Client(third, queue=qa)
-    a = start_worker(qa, pq_tiny_model, *FLAGS, url=nb)
+    # Slowed down, so that jobs are still running when it is killed (else it may finish them all first).
+    a = start_worker(qa, pq_tiny_model, *FLAGS, url=nb, hooks={"step-delay-ms": 20})
     wait_for(lambda: started(a), 120, "worker A")
     reqs = spread_lanes(make_requests(32, "k", 24))
     jobs = c.submit_many(reqs)

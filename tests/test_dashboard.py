@@ -89,10 +89,18 @@ def dashboard(redis_url, tmp_path):
 
 
 def cells(browser, selector: str) -> dict[str, str]:
+    """The cells of a table row, by field. The page redraws its tables every refresh: a row replaced while it
+    is read is read again."""
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
 
-    row = browser.find_element(By.CSS_SELECTOR, selector)
-    return {td.get_attribute("data-f"): td.text for td in row.find_elements(By.CSS_SELECTOR, "td")}
+    for _ in range(10):
+        try:
+            row = browser.find_element(By.CSS_SELECTOR, selector)
+            return {td.get_attribute("data-f"): td.text for td in row.find_elements(By.CSS_SELECTOR, "td")}
+        except StaleElementReferenceException:
+            continue
+    raise AssertionError(f"the row {selector} was redrawn on every read")
 
 
 def test_dashboard_in_chromium(redis_url, queue, rds, pq_tiny_model, start_worker, dashboard, browser, tmp_path):
