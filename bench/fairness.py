@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import random
 import subprocess
 import sys
@@ -38,6 +37,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.report import write_json
 from bench.serve_load import pct, start_logged, wait_health
 from engine.config import DEFAULT_MODEL
 
@@ -290,8 +290,7 @@ def run_fairness(device: str = "cpu", quick: bool = False, batch_jobs: int | Non
             "targets": {"ttft_ratio": TARGET_TTFT_RATIO, "share_relative_error": TARGET_SHARE_ERROR},
             "met": {"ttft_ratio": all(r is not None and r <= TARGET_TTFT_RATIO for r in spaced.values()),
                     "group_shares": groups["max_relative_error"] <= TARGET_SHARE_ERROR}}
-    path = out / "fairness.json"
-    path.write_text(json.dumps(data, indent=2))
+    path = write_json(data, out, "fairness.json")
     echo(table(data))
     echo(f"wrote {path}")
     return data

@@ -34,6 +34,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from bench.report import write_json
 from bench.serve_load import pct, start_logged, wait_health
 
 STREAMS = 50
@@ -246,8 +247,7 @@ def run_serve_isolation(device: str = "cpu", quick: bool = False, streams: int |
             "streams": n, "tokens_per_request": TOKENS, "schema_senders": SCHEMA_SENDERS, "phases": phases,
             "p99_over_alone": ratios, "target_p99_ratio": TARGET_P99_RATIO,
             "met": all(r is not None and r <= TARGET_P99_RATIO for r in ratios.values())}
-    path = out / "serve-isolation.json"
-    path.write_text(json.dumps(data, indent=2))
+    path = write_json(data, out, "serve-isolation.json")
     echo(json.dumps({"phases": {k: {m: v.get(m) for m in ("gaps", "gap_p50_s", "gap_p99_s")}
                                 for k, v in phases.items()}, "p99_over_alone": ratios, "met": data["met"]}, indent=2))
     echo(f"wrote {path}")

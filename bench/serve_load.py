@@ -297,8 +297,7 @@ def run_serve_load(device: str, quick: bool, streams: int | None = None, out_dir
             "met": {"success_rate": success == 1.0,
                     "p99_ratio": all(r is not None and r <= TARGET_P99_RATIO
                                      for k, r in ratios.items() if k.endswith("p99_s"))}}
-    path = out / "serve-load.json"
-    path.write_text(json.dumps(data, indent=2))
+    path = report.write_json(data, out, "serve-load.json")
     echo(table(data))
     echo(f"wrote {path}")
     return data
