@@ -129,7 +129,7 @@ def test_preempted_jobs_finish_as_undisturbed_ones_even_when_their_worker_is_kil
 def test_no_preemption_when_turned_off(redis_url, queue, pq_tiny_model, start_worker):
     c = Client(redis_url, queue=queue)
     start_worker(queue, pq_tiny_model, *FLAGS, "--no-preempt-for-priority", hooks={"step-delay-ms": 20})
-    low = c.submit_many(_jobs(4, "low-", lane="batch", max_tokens=30))
+    low = c.submit_many(_jobs(4, "low-", lane="batch", max_tokens=100))  # seconds left when it comes
     wait_for(lambda: all(c.redis.xlen(c.keys.events(j.id)) >= 2 for j in low), 120, "a full batch running")
     urgent = c.submit(_jobs(1, "urgent-", lane="interactive", max_tokens=4)[0]).result(timeout=120)
     # It waited for a batch job to end: no batch job was interrupted.
