@@ -574,10 +574,9 @@ class LLMEngine:
             if reason is GONE or (seq.group is not None and not seq.group.streams):
                 continue  # a group that reports its continuations at the end says nothing now
             detok = seq.detok
-            hidden = False
+            # EOS and stop tokens are kept in token_ids but their text is not shown (a grammar's last token shows).
+            hidden = reason == "stop" and token in seq.stop_ids
             if detok.lazy:  # no stop strings: the text can wait for whoever reads it
-                # EOS and stop tokens are kept in token_ids but their text is not shown.
-                hidden = reason == "stop" and token in seq.stop_ids  # not a grammar's last token: that one shows
                 at, text = detok.defer(NO_TOKEN if hidden else token, reason is not None), ""
             else:
                 at, text = 0, landed.texts[i]
@@ -587,6 +586,7 @@ class LLMEngine:
                 # A grammar's last token, which shows: decoded now, since a reader that decodes deferred text
                 # itself (the worker's publisher) hides the last token of every "stop".
                 out.new_text  # noqa: B018
+            out.hidden_stop = hidden
             if seq.group is not None and reason is not None:
                 self._streamed_end(seq, out)
             add(out)

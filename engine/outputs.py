@@ -28,7 +28,7 @@ class RequestOutput:
 
     __slots__ = ("_seq", "new_token_ids", "finish_reason", "logprobs", "_ids_end", "_new_text", "_text",
                  "_text_end", "_detok", "_pos", "index", "request_finished", "choices", "cumulative_logprob",
-                 "score")
+                 "score", "hidden_stop")
 
     def __init__(self, seq: Sequence, token: int, finish_reason: str | None, ids_end: int, new_text: str,
                  text: str, text_end: int, logprobs: list[tuple[float, dict[int, float]]] | None = None,
@@ -52,6 +52,9 @@ class RequestOutput:
         self.choices: list[RequestOutput] | None = [self] if self.request_finished else None
         self.cumulative_logprob: float | None = None
         self.score: float | None = None
+        # True when the last new token is a stop token (EOS included) whose text is not shown: a reader that
+        # decodes new_token_ids itself (the worker's publisher) leaves that token out instead of re-deriving it.
+        self.hidden_stop = False
 
     @classmethod
     def whole(cls, seq: Sequence, index: int, finish_reason: str, text: str) -> RequestOutput:
