@@ -141,8 +141,8 @@ def worker(log_level: str, **options: Any) -> None:
 
 
 def _serve_node(config: EngineConfig) -> None:
-    from engine.loader import resolve_model
-    from engine.tp_worker import serve_node
+    from engine.parallel.ranks import serve_node
+    from engine.weights.loader import resolve_model
 
     try:
         folder = resolve_model(config.model, config.cache_dir)

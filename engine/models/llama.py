@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.packed_linear import PanelLinear
-from engine.parallel import Shard, split_heads
+from engine.parallel.shard import Shard, split_heads
+from engine.weights.packed import PanelLinear
 from kernels import Backend, torch_ops
 
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -308,7 +308,7 @@ class LlamaForCausalLM(nn.Module):
         rank's memory holds its shard, never the whole model."""
         from safetensors import safe_open
 
-        from engine.quantized_checkpoint import SUFFIXES, dequantized, scheme
+        from engine.weights.checkpoint import SUFFIXES, dequantized, scheme
 
         quantized = scheme(self.config)
         params = dict(self.named_parameters(remove_duplicate=False))
@@ -326,7 +326,7 @@ class LlamaForCausalLM(nn.Module):
                                          "no quantization_config (an AutoGPTQ/AutoAWQ quantize_config.json beside it "
                                          "is not read): add it to config.json as transformers writes it")
                     loaded.add(self._load(params, name, f.get_slice(name), file.name))
-        if quantized:  # AWQ/GPTQ linears as float, exactly (engine.quantized_linear keeps them quantized where it can)
+        if quantized:  # AWQ/GPTQ linears as float, exactly (engine.weights.quantized keeps them quantized where it can)
             for name, weight in dequantized(folder, quantized):
                 loaded.add(self._load(params, name, weight, f"the {quantized.name} checkpoint",
                                       exact=not name.startswith("lm_head.")))

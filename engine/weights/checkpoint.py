@@ -3,7 +3,7 @@
 A checkpoint's config.json names the method in `quantization_config` (transformers keeps it on the config). The
 float skeleton (engine.models.llama) loads every other tensor as usual, and each quantized linear layer dequantized
 to float (`dequantized`): exact, and what runs where there is no quantized kernel (the torch backend, CPUs without
-AVX-512 VNNI, CUDA for now, tensor parallelism). On a CPU with the kernel, engine.quantized_linear swaps those layers
+AVX-512 VNNI, CUDA for now, tensor parallelism). On a CPU with the kernel, engine.weights.quantized swaps those layers
 for the checkpoint's own integers (`read_checkpoint`, in the form read_gguf gives: {module: (Blocks, format)}).
 
 What a vLLM user would expect, and why: a config pagedq cannot read right (AWQ of other than 4 bits or another
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels.quant_checkpoint import Groups, read_awq, read_gptq
+from engine.weights.awq_gptq import Groups, read_awq, read_gptq
 from kernels.quant_layout import Blocks
 
 SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")  # a quantized linear's tensors, in place of its weight
@@ -131,7 +131,7 @@ def read_checkpoint(folder: Path, config) -> tuple[dict[str, tuple[Blocks, str]]
     """The checkpoint's quantized linear layers under pagedq's module names (q/k/v and gate/up stacked) ->
     ({module: (Blocks, format)} where every part maps onto blocks of 32, {module: why float} for the rest)."""
     from engine.models.llama import LlamaForCausalLM
-    from engine.quantized_linear import common
+    from engine.weights.quantized import common
 
     s = scheme(config)
     parts: dict[str, dict[int, Blocks | None]] = {}

@@ -5,7 +5,7 @@ The sources (EngineConfig.quantization):
   (READERS) keeps the file's blocks, repacked losslessly; a layer with a tensor of another type keeps the float
   path, and the log says which;
 - "auto", an AWQ or GPTQ safetensors checkpoint: its group-wise integers, also losslessly
-  (engine.quantized_checkpoint); an act-order layer keeps the float path, and the log says which;
+  (engine.weights.checkpoint); an act-order layer keeps the float path, and the log says which;
 - "int8": weight-only int8, one scale per output column, made at load from the float weights of any model;
 - "int4": weight-only asymmetric 4-bit per block of 32 inputs (round to nearest), made at load likewise (lm_head
   int8).
@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine import gguf_index
-from engine.packed_linear import PanelLinear, fuses_activation
-from engine.quantized_checkpoint import read_checkpoint, scheme
+from engine.weights import gguf_index
+from engine.weights.checkpoint import read_checkpoint, scheme
+from engine.weights.packed import PanelLinear, fuses_activation
 from kernels import quant_layout
 from kernels.quant_layout import Blocks
 

@@ -2,12 +2,12 @@
 
 Rank 0 (the engine the worker runs: scheduler, block manager, sampler) starts the other ranks of its host as
 processes of their own; on other hosts `pagedq worker --node-rank K` starts theirs. Each rank loads only its shard
-(engine.parallel), joins the process group, and then runs every forward rank 0 tells it to: one step message
+(engine.parallel.shard), joins the process group, and then runs every forward rank 0 tells it to: one step message
 (the step's host inputs, broadcast once over gloo) per step, never per layer. Rank 0 alone samples; the other ranks
 send it their slice of the logits.
 
 Failure: a rank that cannot load says why to rank 0, which fails its start with that reason. Once running, a
-rank that dies stops rank 0 (engine.parallel.fail: one log line, a non-zero exit), and rank 0 dying stops the
+rank that dies stops rank 0 (engine.parallel.shard.fail: one log line, a non-zero exit), and rank 0 dying stops the
 others (their pipe to it closes, or their next collective fails).
 """
 
@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
-from engine.parallel import RANK_FAILED_EXIT, Shard, fail
-from engine.step_inputs import StepInputs
+from engine.parallel.shard import RANK_FAILED_EXIT, Shard, fail
+from engine.runner.step_inputs import StepInputs
 
 log = logging.getLogger("pagedq.engine")
 
@@ -91,7 +91,7 @@ class Ranks:
         self.init_method = f"tcp://{config.dist_init_addr or f'127.0.0.1:{_free_port()}'}"
         ctx = mp.get_context("forkserver")
         # The fork server imports torch and the engine once; each rank forks from it in a fraction of a second.
-        ctx.set_forkserver_preload(["engine.tp_worker"])
+        ctx.set_forkserver_preload(["engine.parallel.ranks"])
         self.procs: dict[int, mp.Process] = {}
         self.conns: dict[int, Connection] = {}
         self.stopping = False
@@ -130,7 +130,7 @@ class Ranks:
                 raise ValueError(f"tensor-parallel ranks {sorted(waiting)} did not load in {START_TIMEOUT_S:.0f} s")
 
     def watch(self) -> None:
-        """From now on a rank that dies stops this process (engine.parallel.fail)."""
+        """From now on a rank that dies stops this process (engine.parallel.shard.fail)."""
         threading.Thread(target=self._watch, name="pagedq-tp-watch", daemon=True).start()
 
     def _watch(self) -> None:
@@ -225,7 +225,7 @@ def _watch_parent(conn: Connection) -> None:
 def rank_main(config: EngineConfig, folder: str, rank: int, init_method: str, conn: Connection | None,
               log_level: int = logging.INFO) -> None:
     """A rank's process: load the shard, join the group, run rank 0's steps until it says stop."""
-    from engine.model_runner import ModelRunner
+    from engine.runner.model_runner import ModelRunner
 
     logging.basicConfig(level=log_level, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     # Ctrl-C in a terminal, or a SIGTERM to the process group, is for rank 0, which drains and then stops the rank;
