@@ -235,10 +235,10 @@ def test_scales_past_float16_stay_float32():
 
 
 def test_mixed_formats_stack_in_the_widest_layout():
-    from engine.weights.quantized import common
+    from kernels.quant_layout import stack
 
     q4, q6 = quant_layout.read_q4_k(raw_blocks("Q4_K", 4, 256)), quant_layout.read_q6_k(raw_blocks("Q6_K", 2, 256))
-    both = common([q4, q6])
+    both = stack([q4, q6])
     assert (both.bits, both.block) == (8, 16)
     np.testing.assert_array_equal(both.dequantize(), np.concatenate([q4.dequantize(), q6.dequantize()]))
 

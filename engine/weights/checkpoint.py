@@ -23,9 +23,8 @@ import numpy as np
 import torch
 
 from engine.weights.awq_gptq import Groups, read_awq, read_gptq
-from kernels.quant_layout import Blocks
-
-SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")  # a quantized linear's tensors, in place of its weight
+from engine.weights.names import FUSED, part_count
+from kernels.quant_layout import Blocks, stack
 
 
 @dataclass(frozen=True)
@@ -130,23 +129,20 @@ def why_float(s: Scheme) -> str:
 def read_checkpoint(folder: Path, config) -> tuple[dict[str, tuple[Blocks, str]], dict[str, str]]:
     """The checkpoint's quantized linear layers under pagedq's module names (q/k/v and gate/up stacked) ->
     ({module: (Blocks, format)} where every part maps onto blocks of 32, {module: why float} for the rest)."""
-    from engine.models.llama import LlamaForCausalLM
-    from engine.weights.quantized import common
-
     s = scheme(config)
     parts: dict[str, dict[int, Blocks | None]] = {}
     for prefix, groups in layers(folder, s):
         module, _, leaf = prefix.rpartition(".")
-        fused, index = LlamaForCausalLM.FUSED.get(leaf, (leaf, 0))
+        fused, index = FUSED.get(leaf, (leaf, 0))
         parts.setdefault(f"{module}.{fused}" if module else fused, {})[index] = groups.blocks()
     found, skipped = {}, {}
     for name, by_index in parts.items():
-        want = sum(fused == name.rpartition(".")[2] for fused, _ in LlamaForCausalLM.FUSED.values()) or 1
+        want = part_count(name.rpartition(".")[2])
         blocks = [by_index.get(i) for i in range(want)]
         if len(by_index) != want:  # e.g. modules_to_not_convert names q_proj alone: one stacked layer, one layout
             skipped[name] = f"{s.name}: only some of its parts are quantized in the checkpoint, dequantized to float"
         elif any(b is None for b in blocks):
             skipped[name] = why_float(s)
         else:
-            found[name] = (blocks[0] if want == 1 else common(blocks), s.name)
+            found[name] = (blocks[0] if want == 1 else stack(blocks), s.name)
     return found, skipped
