@@ -55,7 +55,7 @@ import traceback
 from pathlib import Path
 
 from engine.config import DEFAULT_MODEL
-from engine.loader import cache_root, resolve_model
+from engine.weights.loader import cache_root, resolve_model
 
 SECTIONS = ("kernels", "bandwidth", "graphs", "e2e", "tensor_parallel")  # cheapest first: they run in this order
 # seconds; ~5 minutes in all on an H200 (tensor_parallel runs only with --tensor-parallel-size above 1)

@@ -31,7 +31,7 @@ HOST_PHASES = [p for p in PHASES if p not in ("forward", "sample")]
 def micro_model() -> str:
     """The one-layer random model, built once into the model cache."""
     from bench.random_model import make_tiny_model
-    from engine.loader import cache_root
+    from engine.weights.loader import cache_root
 
     return make_tiny_model(str(cache_root() / "micro-llama-1layer-v1"), "llama", seed=0, layers=1)
 

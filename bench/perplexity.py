@@ -94,7 +94,7 @@ def main() -> None:
     a = ap.parse_args()
     results = [pagedq_perplexity(a.model, q, a.dtype, a.tokens, a.ctx) for q in a.quantization]
     if a.llama_cpp:
-        from engine.loader import gguf_source
+        from engine.weights.loader import gguf_source
 
         results.append(llama_cpp_perplexity(a.llama_cpp, str(gguf_source(a.model)), a.tokens, a.ctx, a.threads))
     for r in results:

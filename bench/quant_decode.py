@@ -26,7 +26,7 @@ CONFIGS = [("none", "bfloat16"), ("int8", "bfloat16"), ("auto", "bfloat16"), ("a
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the linear layers' weights as the kernels read them (quantized panels, float panels, or plain)."""
-    from engine.packed_linear import PanelLinear
+    from engine.weights.packed import PanelLinear
 
     total = 0
     for m in model.modules():
@@ -113,7 +113,7 @@ def main() -> None:
     ap.add_argument("--out")
     a = ap.parse_args()
     from bench import mfu, report
-    from engine.loader import gguf_source
+    from engine.weights.loader import gguf_source
 
     data = {"machine": report.machine("cpu"), "memory_bandwidth": mfu.memory_bandwidth("cpu"), "results": []}
     print(json.dumps(data["memory_bandwidth"]))

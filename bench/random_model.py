@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 from engine.config import DEFAULT_MODEL
-from engine.loader import resolve_model
+from engine.weights.loader import resolve_model
 
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 

@@ -110,7 +110,7 @@ def run_bench(
 
     from transformers import AutoTokenizer
 
-    from engine.loader import resolve_model
+    from engine.weights.loader import resolve_model
 
     folder = resolve_model(model)
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -246,7 +246,7 @@ def _run_llamacpp(server_bin, model, max_num_seqs, sets, tokenizer, quick, seed,
                   ) -> tuple[dict[str, Run], str]:
     """llama.cpp's server over every offline workload, on the model's GGUF -> (Run per workload, why not or "")."""
     from bench import llamacpp_peer
-    from engine.loader import gguf_source
+    from engine.weights.loader import gguf_source
 
     offline = {w: wl for w, wl in sets.items() if not wl.online}
     try:

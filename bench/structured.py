@@ -164,8 +164,8 @@ def _mask_time(engine, rows: int, repeats: int = 5) -> dict:
     import torch
 
     from engine import Constraint
-    from engine.sampler import apply_allowed
-    from engine.staging import Staging
+    from engine.runner.sampler import apply_allowed
+    from engine.runner.staging import Staging
 
     compiled = engine.grammars.compile(Constraint("json_schema", product_schema())).result()
     sample = json.dumps({"name": "Steel kettle", "price": 24.5, "category": "kitchen", "in_stock": True,

@@ -27,7 +27,7 @@ DECODE_STEPS = 8
 
 def bench_model() -> str:
     from bench.random_model import make_tiny_model
-    from engine.loader import cache_root
+    from engine.weights.loader import cache_root
 
     return make_tiny_model(str(cache_root() / "bench-tp-llama-172m-v1"), "llama", shape=SHAPE)
 

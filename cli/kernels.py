@@ -24,7 +24,7 @@ def build(cache_dir) -> None:
     """Build (once) the CPU kernels for this CPU, interpreter, torch and compiler; print their folder. A host whose
     CPU differs builds its own at the first start."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    from engine.loader import cache_root
+    from engine.weights.loader import cache_root
     from kernels import build as kernel_build
     from kernels import cpu_ops
 

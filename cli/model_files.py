@@ -35,7 +35,7 @@ def pull(name) -> None:
 def layers(name, quantization, dtype) -> None:
     """Load a model as a CPU worker would and list each linear layer: format, bytes of weights, path."""
     from engine import EngineConfig, LLMEngine
-    from engine.quantized_linear import LayerReport, summary
+    from engine.weights.quantized import LayerReport, summary
 
     try:
         engine = LLMEngine(EngineConfig(model=name, quantization=quantization, dtype=dtype, max_num_seqs=1,
@@ -65,7 +65,7 @@ def _bytes(module) -> int:
 
 def pull_model(name: str) -> str:
     """The local folder of model `name`, fetched and converted first if need be."""
-    from engine.loader import ALIASES, resolve_model
+    from engine.weights.loader import ALIASES, resolve_model
 
     if name in ALIASES:
         dist, module, _ = ALIASES[name]

@@ -141,14 +141,15 @@ def worker(log_level: str, **options: Any) -> None:
 
 
 def _serve_node(config: EngineConfig) -> None:
-    from engine.loader import resolve_model
-    from engine.tp_worker import serve_node
+    from engine.parallel.ranks import serve_node
+    from engine.runner.model_runner import ModelRunner
+    from engine.weights.loader import resolve_model
 
     try:
         folder = resolve_model(config.model, config.cache_dir)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
-    raise SystemExit(serve_node(config, str(folder)))
+    raise SystemExit(serve_node(config, str(folder), ModelRunner))
 
 
 def engine_config(options: dict[str, Any]) -> EngineConfig:

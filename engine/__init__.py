@@ -1,9 +1,9 @@
 """The inference engine: paged KV cache, continuous batching, sampling. Knows nothing of Redis."""
 
 from engine.config import EngineConfig
-from engine.constraints import Constraint
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured.constraints import Constraint
 
 __all__ = ["Constraint", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
 

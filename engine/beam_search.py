@@ -1,7 +1,7 @@
 """Beam search as transformers' generate(num_beams=B, do_sample=False) runs it, one request at a time, on the host.
 
 Each step the device gives, over all live beams' next tokens, the K best of (beam's score + the token's logprob),
-K = max(2, 1 + stop tokens) * B (engine.sampler). This class does the rest with transformers' own arithmetic, in
+K = max(2, 1 + stop tokens) * B (engine.runner.sampler). This class does the rest with transformers' own arithmetic, in
 float32 torch ops over those K, so that the same logits pick the same beams: candidates that end (a stop token,
 or the length limit) and rank among the first B go to the finished hypotheses, length-normalized; the B best that
 do not end carry on; and the search stops as transformers' does (no open beam can beat the finished ones, all

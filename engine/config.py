@@ -40,11 +40,11 @@ class EngineConfig:
     # CPU: bytes of KV cache when num_kv_blocks is None. None: a quarter of free memory, at most 2 GiB.
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.85
-    # CPU, bfloat16: linear weights reordered once at load, for AMX tiles (engine.packed_linear.TileLinear) or else
+    # CPU, bfloat16: linear weights reordered once at load, for AMX tiles (engine.weights.packed.TileLinear) or else
     # oneDNN; faster.
     prepack_weights: bool = True
     # CPU, and the triton backend on a GPU: "auto" keeps a GGUF's block formats (kernels/quant_layout.py READERS), or
-    # an AWQ/GPTQ checkpoint's integers, quantized in memory (engine.quantized_linear); "none" dequantizes them to
+    # an AWQ/GPTQ checkpoint's integers, quantized in memory (engine.weights.quantized); "none" dequantizes them to
     # float; "int8" makes weight-only per-channel int8 of any float model's weights, "int4" group-wise 4-bit (blocks
     # of 32, round to nearest).
     quantization: str = "auto"
@@ -54,7 +54,7 @@ class EngineConfig:
     overlap_steps: bool | None = None
     cache_dir: str | None = None
     seed: int = 0
-    # Tensor parallelism (engine.parallel): one replica of the model over this many ranks, each holding a slice of
+    # Tensor parallelism (engine.parallel.shard): one replica of the model over this many ranks, each holding a slice of
     # its heads, MLP features and vocabulary. Rank 0 is this engine; it starts the others of its host.
     tensor_parallel_size: int = 1
     # CPU: intra-op threads of each rank. None: the cores of the host shared evenly by its ranks.
@@ -64,7 +64,7 @@ class EngineConfig:
     dist_init_addr: str | None = None
     node_rank: int = 0
     nnodes: int = 1
-    # CPU ranks of one host: all-reduces through shared memory (engine.shm_all_reduce) rather than gloo's sockets.
+    # CPU ranks of one host: all-reduces through shared memory (engine.parallel.shm_all_reduce), not gloo's sockets.
     shm_all_reduce: bool = True
 
     def __post_init__(self) -> None:
@@ -105,7 +105,7 @@ class EngineConfig:
         if self.cpu_threads_per_rank is not None and self.cpu_threads_per_rank < 1:
             raise ValueError(f"cpu_threads_per_rank must be >= 1, got {self.cpu_threads_per_rank}")
         if size > 1 and self.quantization in ("int8", "int4"):
-            # Quantized panels are made from whole rows; the ranks load slices (engine.model_runner).
+            # Quantized panels are made from whole rows; the ranks load slices (engine.runner.model_runner).
             raise ValueError(f"quantization {self.quantization} does not combine with tensor parallelism yet: give one "
                              "or the other")
         if size > 1:

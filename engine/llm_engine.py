@@ -21,18 +21,18 @@ from engine.beam_search import BeamSearch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import NO_TOKEN, Detokenizer
-from engine.grammars import Compiled, Grammars
 from engine.group import Group, child_seed
 from engine.group_steps import GroupSteps
-from engine.loader import resolve_model
-from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
-from engine.sampler import SamplingBatch
+from engine.runner.model_runner import ModelRunner
+from engine.runner.sampler import SamplingBatch
+from engine.runner.step_inputs import Feed
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import PLACEHOLDER, Sequence, Status
 from engine.stats import StepTimes
-from engine.step_inputs import Feed
+from engine.structured.grammars import Compiled, Grammars
+from engine.weights.loader import resolve_model
 
 log = logging.getLogger("pagedq.engine")
 _PLAIN_GREEDY = attrgetter("plain_greedy")

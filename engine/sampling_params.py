@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from engine.constraints import Constraint
+from engine.structured.constraints import Constraint
 
 
 @dataclass
@@ -31,7 +31,7 @@ class SamplingParams:
     beam_width: int | None = None  # beams; None: best_of, else n
     length_penalty: float = 1.0  # beam search: a finished beam's score is its logprob / length ** length_penalty
     early_stopping: bool | str = False  # beam search: True, False or "never", as in transformers' generate
-    # What the output must parse as (engine.constraints): every token is picked from those the grammar allows,
+    # What the output must parse as (engine.structured.constraints): every token is picked from those the grammar allows,
     # and the request ends ("stop") where the grammar does.
     constraint: Constraint | None = None
 

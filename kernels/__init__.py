@@ -54,7 +54,7 @@ def _triton(device: str) -> Backend:
     why = triton_ops.runnable(device)
     if why:
         raise ValueError(f"attention_backend='triton' cannot run here: {why}; use attention_backend='torch'")
-    # linear_paths: quantized weights run kernels/triton_quant.py (engine.quantized_linear)
+    # linear_paths: quantized weights run kernels/triton_quant.py (engine.weights.quantized)
     return Backend("triton", triton_ops.store_kv, triton_ops.paged_attention, graph_safe=True,
                    copy_blocks=triton_ops.copy_blocks, linear_paths={"quantized": "triton"})
 

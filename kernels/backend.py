@@ -31,7 +31,7 @@ class Backend:
     # rms_norm, add_rms_norm, rotary and silu_and_mul in one pass each (LlamaForCausalLM.use_fast_layers); None: the
     # model's torch code.
     layers: Any = None
-    # panel_pack / panel_linear / panel_linear_out (engine.packed_linear.PanelLinear), and for each dtype the way
+    # panel_pack / panel_linear / panel_linear_out (engine.weights.packed.PanelLinear), and for each dtype the way
     # this CPU multiplies them ("amx", "avx512_bf16", "avx512"); a dtype missing from linear_paths has none.
     linears: Any = None
     linear_paths: Mapping[str, str] = field(default_factory=dict)

@@ -2,7 +2,7 @@
 kernels/cpu_prefill.cpp, which needs AVX-512), where the torch path gathers each sequence's blocks into a copy and
 attends over it; RMSNorm, rotary and (bfloat16) SiLU-and-multiply as one pass each (kernels/cpu_layers.cpp); keys
 and values stored with a copy per token; linear layers of our own on packed weight panels (kernels/cpu_linear.cpp,
-used by engine.packed_linear). kernels/build.py compiles them; `load` makes them torch.ops.pagedq.* here.
+used by engine.weights.packed). kernels/build.py compiles them; `load` makes them torch.ops.pagedq.* here.
 """
 
 from __future__ import annotations
@@ -182,12 +182,12 @@ def _silu_and_mul_built() -> bool:
     return bool(torch.ops.pagedq.silu_and_mul_built())
 
 
-# Linear layers on weight panels (kernels/cpu_linear.cpp), for engine.packed_linear.
+# Linear layers on weight panels (kernels/cpu_linear.cpp), for engine.weights.packed.
 
 
 def linear_paths() -> dict[str, str]:
     """dtype name -> how this CPU multiplies its panels ("amx", "avx512_bf16", "avx512"), for the dtypes it can; and
-    "quantized" -> "avx512_vnni", "avx_vnni" or "avx2" where quantized weights have a kernel (engine.quantized_linear)."""
+    "quantized" -> "avx512_vnni", "avx_vnni" or "avx2" where quantized weights have a kernel (engine.weights.quantized)."""
     paths = {dtype: torch.ops.pagedq.panel_linear_path(dtype) for dtype in ("float32", "bfloat16")}
     paths["quantized"] = torch.ops.pagedq.quant_linear_path()  # weights kept quantized (kernels/cpu_quant.cpp)
     return {dtype: path for dtype, path in paths.items() if path}

@@ -48,6 +48,20 @@ class Blocks:
         return Blocks(self.u[order], self.scale[order], self.min[order], self.bits, self.block)
 
 
+def stack(parts: list[Blocks]) -> Blocks:
+    """Row-stacked blocks in the widest layout of the parts (4 bits fit in 8; a block of 32 is two of 16): a fused
+    layer (qkv, gate_up) whose parts differ in format, still exact."""
+    bits, block = max(p.bits for p in parts), min(p.block for p in parts)
+
+    def widen(p: Blocks) -> Blocks:
+        repeat = p.block // block
+        return Blocks(p.u, np.repeat(p.scale, repeat, 1), np.repeat(p.min, repeat, 1), bits, block)
+
+    wide = [widen(p) for p in parts]
+    return Blocks(np.concatenate([p.u for p in wide]), np.concatenate([p.scale for p in wide]),
+                  np.concatenate([p.min for p in wide]), bits, block)
+
+
 def _f16(raw: np.ndarray, at: int) -> np.ndarray:
     """The float16 at byte `at` of each block, as float32 [N, blocks]."""
     return raw[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)

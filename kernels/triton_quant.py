@@ -213,7 +213,7 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
 
 
 class TritonQuantLinear(nn.Module):
-    """A linear layer on quantized weights kept on the GPU (engine.quantized_linear swaps it in)."""
+    """A linear layer on quantized weights kept on the GPU (engine.weights.quantized swaps it in)."""
 
     def __init__(self, blocks: Blocks, bias: torch.Tensor | None, fmt: str, device: torch.device | str) -> None:
         super().__init__()

@@ -20,7 +20,7 @@ def problem(kind: str, spec: Any) -> str:
         from llguidance import LLMatcher, grammar_from
     except ImportError:  # the grammar engine is the worker's: a front without it leaves the check to the worker
         return ""
-    try:  # the engine's grammars (engine.constraints) differ only in options that cannot make one invalid
+    try:  # the engine's grammars (engine.structured.constraints) differ only in options that cannot make one invalid
         grammar = grammar_from("json_schema" if kind == "json_object" else kind,
                                {"type": "object"} if kind == "json_object" else spec)
         return LLMatcher.validate_grammar(grammar).strip()

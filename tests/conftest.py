@@ -42,7 +42,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def quant_backend():
     """The CPU backend, where it has a quantized kernel (kernels/cpu_quant.cpp); the test is skipped, saying why,
     where it has none. Its linear_paths["quantized"] names the path ("avx512_vnni", "avx2")."""
-    from engine.loader import cache_root
+    from engine.weights.loader import cache_root
     from kernels import build, get_backend
 
     backend = get_backend("auto", "cpu", build.default_root(cache_root()))
@@ -242,7 +242,7 @@ def pytest_report_header(config) -> list[str]:
                                    ("AVX2", "avx2")) if flag in flags]
     lines = [f"cpu: {model} ({os.cpu_count()} cores): {', '.join(isa) or 'no AVX2'}"]
     try:
-        from engine.loader import cache_root
+        from engine.weights.loader import cache_root
         from kernels import build, cpu_ops
 
         why = cpu_ops.load(build.default_root(cache_root()))

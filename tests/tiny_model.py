@@ -11,7 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.random_model import TINY_ARCHS, make_tiny_model  # noqa: E402
-from engine.loader import cache_root  # noqa: E402
+from engine.weights.loader import cache_root  # noqa: E402
 
 
 def cached_tiny_model(arch: str = "llama", seed: int = 0, kv_heads: int = 2) -> str:

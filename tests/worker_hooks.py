@@ -54,7 +54,7 @@ def crash(mark: str) -> None:
 
 
 def fault_on(spec: str) -> None:
-    from engine.model_runner import ModelRunner
+    from engine.runner.model_runner import ModelRunner
 
     mark, _, after = spec.partition(":")
     after = int(after or 0)
@@ -70,7 +70,7 @@ def fault_on(spec: str) -> None:
 
 
 def fault_together(mark: str) -> None:
-    from engine.model_runner import ModelRunner
+    from engine.runner.model_runner import ModelRunner
 
     run = ModelRunner.run
 
@@ -83,7 +83,7 @@ def fault_together(mark: str) -> None:
 
 
 def fault_every_step() -> None:
-    from engine.model_runner import ModelRunner
+    from engine.runner.model_runner import ModelRunner
 
     def _run(self, batch, *args, **kwargs):
         raise RuntimeError("injected fault (test hook): every step fails")

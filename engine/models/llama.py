@@ -10,8 +10,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.packed_linear import PanelLinear
-from engine.parallel import Shard, split_heads
+from engine.parallel.shard import Shard, split_heads
+from engine.weights.checkpoint import dequantized, scheme
+from engine.weights.names import SUFFIXES, fused
+from engine.weights.packed import PanelLinear
 from kernels import Backend, torch_ops
 
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -209,10 +211,6 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    # HF weight name -> (our fused parameter, shard index)
-    FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-
     def __init__(self, config, max_positions: int, shard: Shard | None = None) -> None:
         """shard: the slice of a tensor-parallel replica this rank holds; None: the whole model."""
         super().__init__()
@@ -308,8 +306,6 @@ class LlamaForCausalLM(nn.Module):
         rank's memory holds its shard, never the whole model."""
         from safetensors import safe_open
 
-        from engine.quantized_checkpoint import SUFFIXES, dequantized, scheme
-
         quantized = scheme(self.config)
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
@@ -326,7 +322,7 @@ class LlamaForCausalLM(nn.Module):
                                          "no quantization_config (an AutoGPTQ/AutoAWQ quantize_config.json beside it "
                                          "is not read): add it to config.json as transformers writes it")
                     loaded.add(self._load(params, name, f.get_slice(name), file.name))
-        if quantized:  # AWQ/GPTQ linears as float, exactly (engine.quantized_linear keeps them quantized where it can)
+        if quantized:  # AWQ/GPTQ linears as float, exactly (engine.weights.quantized keeps them quantized where it can)
             for name, weight in dequantized(folder, quantized):
                 loaded.add(self._load(params, name, weight, f"the {quantized.name} checkpoint",
                                       exact=not name.startswith("lm_head.")))
@@ -343,7 +339,7 @@ class LlamaForCausalLM(nn.Module):
         checkpoint's vocab may be padded."""
         if "rotary_emb" in name or (name == "lm_head.weight" and self.tied):
             return ""
-        target, shard = self._target(name)
+        target, shard = fused(name)
         if target not in params:
             raise ValueError(f"unexpected weight {name!r} in {source}")
         param = params[target]
@@ -383,15 +379,6 @@ class LlamaForCausalLM(nn.Module):
                 return weight[:] if shard.rank == 0 else None
             return weight[:, q_part if module == "o_proj" else mlp.span]
         return weight[:]  # norms: every rank holds them whole
-
-    def _target(self, name: str) -> tuple[str, int | None]:
-        parts = name.split(".")
-        for i, part in enumerate(parts):
-            if part in self.FUSED:
-                fused, shard = self.FUSED[part]
-                parts[i] = fused
-                return ".".join(parts), shard
-        return name, None
 
     def _shards_of(self, name: str) -> list[int | None]:
         if ".qkv_proj." in name:

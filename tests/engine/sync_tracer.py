@@ -17,7 +17,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 SCOPE = ("engine.", "kernels.triton_ops")
-STAGING = "engine.staging"  # makes host buffers and reads them by design: only its copies are checked
+STAGING = "engine.runner.staging"  # makes host buffers and reads them by design: only its copies are checked
 CREATES = {"tensor", "as_tensor", "asarray"}  # torch functions
 READS = {"tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"}  # tensor methods
 COPIES = {"copy_", "to"}  # tensor methods
@@ -34,7 +34,7 @@ class Call:
 
 @dataclass
 class SyncTracer(TorchFunctionMode):
-    staging: object | None = None  # an engine.staging.Staging: copies from its buffers must be non_blocking
+    staging: object | None = None  # an engine.runner.staging.Staging: copies from its buffers must be non_blocking
     calls: list[Call] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -6,8 +6,8 @@ from torch import nn
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine import config as engine_config
-from engine.loader import cache_root
-from engine.packed_linear import PackedLinear, PanelLinear, pack_linears
+from engine.weights.loader import cache_root
+from engine.weights.packed import PackedLinear, PanelLinear, pack_linears
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of",
            "The first president of the United States was"]

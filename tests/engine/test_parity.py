@@ -72,7 +72,7 @@ def test_prefix_cache_hits_change_nothing(tiny_model):
 
 @pytest.mark.slow
 def test_smollm2_matches_transformers(smollm2):
-    from engine.loader import resolve_model
+    from engine.weights.loader import resolve_model
 
     prompts = PROMPTS[:8]
     outs = smollm2.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
@@ -82,7 +82,7 @@ def test_smollm2_matches_transformers(smollm2):
 
 @pytest.mark.slow
 def test_smollm2_matches_under_preemption():
-    from engine.loader import resolve_model
+    from engine.weights.loader import resolve_model
 
     path = str(resolve_model("smollm2-135m-instruct"))
     engine = LLMEngine(EngineConfig(model="smollm2-135m-instruct", num_kv_blocks=12, block_size=8,

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import quant_checkpoint, quant_layout
+from engine.weights import awq_gptq
+from kernels import quant_layout
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # name -> (method, group, sym, checkpoint_format, desc_act)
@@ -215,10 +216,10 @@ def test_readers_give_the_exact_weights(variant):
     q, scale, zero, exact = quantize(w, g_idx, sym)
     if method == "awq":
         p = pack_awq(q, scale, zero)
-        groups = quant_checkpoint.read_awq(p["qweight"], p["qzeros"], p["scales"], group)
+        groups = awq_gptq.read_awq(p["qweight"], p["qzeros"], p["scales"], group)
     else:
         p = pack_gptq(q, scale, zero, g_idx, fmt == "gptq")
-        groups = quant_checkpoint.read_gptq(p["qweight"], p["qzeros"], p["scales"], p["g_idx"], 4, group,
+        groups = awq_gptq.read_gptq(p["qweight"], p["qzeros"], p["scales"], p["g_idx"], 4, group,
                                             fmt == "gptq")
     np.testing.assert_array_equal(groups.dequantize(), exact)
     blocks = groups.blocks()
@@ -240,7 +241,7 @@ def test_gptq_8_bit_and_missing_g_idx():
     qzeros = np.zeros((2, 4), np.uint32)
     for i in range(4):
         qzeros |= (zero.T - 1).reshape(2, 4, 4)[..., i].astype(np.uint32) << np.uint32(8 * i)
-    groups = quant_checkpoint.read_gptq(qweight.view(np.int32), qzeros.view(np.int32), scale.T.copy(), None, 8, 32,
+    groups = awq_gptq.read_gptq(qweight.view(np.int32), qzeros.view(np.int32), scale.T.copy(), None, 8, 32,
                                         True)
     g = np.arange(64) // 32
     want = scale.astype(np.float32)[:, g] * (q - zero[:, g]).astype(np.float32)
@@ -360,7 +361,7 @@ def test_int4_refused_with_tensor_parallelism():
     ({"quant_method": "gptq", "group_size": 128}, "'bits'"),
 ])
 def test_bad_configs_name_the_field(qc, field):
-    from engine.quantized_checkpoint import scheme
+    from engine.weights.checkpoint import scheme
 
     with pytest.raises(ValueError, match=field):
         scheme(SimpleNamespace(quantization_config=qc))

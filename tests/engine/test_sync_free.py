@@ -11,7 +11,7 @@ import torch
 from sync_tracer import SyncTracer
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.staging import Staging
+from engine.runner.staging import Staging
 
 PROMPTS = ["Hello there, how are you?", "The capital of France is", "a", "Once upon a time, in a land far away",
            "def fib(n):", "Q: What is 2 + 2?\nA:"]
@@ -63,11 +63,11 @@ def test_the_tracer_catches_what_would_wait(tiny_model):
     engine = make(tiny_model("llama"))
     # The step loop as it was: a per-row setting made from a Python list on the device, and the sampled rows picked
     # with an index made from numpy.
-    bad = {"__name__": "engine.sampler"}
+    bad = {"__name__": "engine.runner.sampler"}
     exec("import numpy as np, torch\n"
          "def per_row(stage, name, values):\n"
          "    return torch.tensor(values, dtype=torch.float32)\n", bad)
-    import engine.sampler as sampler
+    import engine.runner.sampler as sampler
 
     original = sampler._per_row
     sampler._per_row = bad["per_row"]
@@ -75,7 +75,8 @@ def test_the_tracer_catches_what_would_wait(tiny_model):
         tracer, _ = traced_run(engine)
     finally:
         sampler._per_row = original
-    assert {(c.what, c.op, c.where.split(":")[0]) for c in tracer.blocking} == {("create", "tensor", "engine.sampler")}
+    blocking = {(c.what, c.op, c.where.split(":")[0]) for c in tracer.blocking}
+    assert blocking == {("create", "tensor", "engine.runner.sampler")}
 
 
 def test_staging_keeps_two_steps_apart_and_grows():

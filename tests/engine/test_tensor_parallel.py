@@ -18,7 +18,7 @@ from test_parity import PROMPTS
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine import config as engine_config
-from engine.parallel import RANK_FAILED_EXIT, Shard
+from engine.parallel.shard import RANK_FAILED_EXIT, Shard
 
 # Small enough a cache that nine prompts preempt one another; chunks of 64 tokens split the longer prompts.
 CONFIG = {"num_kv_blocks": 14, "block_size": 8, "max_num_batched_tokens": 64, "max_num_seqs": 16}

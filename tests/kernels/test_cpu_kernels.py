@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.loader import cache_root
+from engine.weights.loader import cache_root
 from kernels import build, cpu_ops, get_backend, torch_ops
 from kernels.testing import attend, oracle, random_batch, rel_err, store, with_padding_rows
 
@@ -162,7 +162,7 @@ def test_an_unwritable_cache_falls_back_too(tmp_path):
 def test_host_kv_cache_is_zeroed_and_outlives_its_mapping():
     import gc
 
-    from engine import host_memory
+    from engine.runner import host_memory
 
     cache = host_memory.zeros((2, 3, 5, 16, 2, 8), torch.bfloat16)
     assert cache.shape == (2, 3, 5, 16, 2, 8) and cache.dtype == torch.bfloat16 and not cache.any()

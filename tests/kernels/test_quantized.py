@@ -82,7 +82,7 @@ TORCH_LIBRARY(pagedq_quant_avx2, m) {
 
 @pytest.fixture(scope="module")
 def avx2_ops():
-    from engine.loader import cache_root
+    from engine.weights.loader import cache_root
     from kernels import build
 
     flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
@@ -235,10 +235,10 @@ def test_scales_past_float16_stay_float32():
 
 
 def test_mixed_formats_stack_in_the_widest_layout():
-    from engine.quantized_linear import common
+    from kernels.quant_layout import stack
 
     q4, q6 = quant_layout.read_q4_k(raw_blocks("Q4_K", 4, 256)), quant_layout.read_q6_k(raw_blocks("Q6_K", 2, 256))
-    both = common([q4, q6])
+    both = stack([q4, q6])
     assert (both.bits, both.block) == (8, 16)
     np.testing.assert_array_equal(both.dequantize(), np.concatenate([q4.dequantize(), q6.dequantize()]))
 
@@ -266,8 +266,8 @@ def test_smollm2_gguf_layers_match_the_float_conversion():
     from safetensors import safe_open
     from transformers import AutoConfig
 
-    from engine.loader import alias_gguf, resolve_model
-    from engine.quantized_linear import read_gguf
+    from engine.weights.loader import alias_gguf, resolve_model
+    from engine.weights.quantized import read_gguf
 
     folder = resolve_model("smollm2-135m-instruct")
     config = AutoConfig.from_pretrained(folder)

@@ -109,9 +109,9 @@ def test_every_gguf_format(fmt, m):
 @pytest.mark.parametrize("parts, layout", [(("Q4_K", "Q6_K"), (8, 16)), (("Q4_1", "Q8_0"), (8, 32)),
                                            (("Q4_0", "Q4_K"), (4, 32))])
 def test_fused_layers_of_mixed_formats(parts, layout):
-    from engine.quantized_linear import common
+    from kernels.quant_layout import stack
 
-    blocks = common([gguf_blocks(f, 16 + 8 * i, 256, seed=i) for i, f in enumerate(parts)])
+    blocks = stack([gguf_blocks(f, 16 + 8 * i, 256, seed=i) for i, f in enumerate(parts)])
     assert (blocks.bits, blocks.block) == layout
     for m in (1, 17):
         check(blocks, m, torch.float32, bias=False)
@@ -196,7 +196,7 @@ def test_engine_int8_on_the_triton_backend(tiny_model, monkeypatch):
     monkeypatch.setattr(triton_quant, "tiles", lambda decode, wide: {**tiles(decode, wide), "BLOCK_N": 1024})
 
     from engine import EngineConfig, LLMEngine, SamplingParams
-    from engine.quantized_linear import made_at_load
+    from engine.weights.quantized import made_at_load
 
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
     params = SamplingParams(max_tokens=6, temperature=0)

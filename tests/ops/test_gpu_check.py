@@ -293,7 +293,7 @@ def test_prepare_writes_a_small_folder_that_runs_without_the_model_package(tiny_
     # --prepare copies the default model's config and tokenizer (here the tiny model's, to stay fast) and builds a
     # tiny model; --model <that folder> then makes random weights of its shape, once, in the pagedq cache.
     import bench.random_model
-    from engine.loader import cache_root
+    from engine.weights.loader import cache_root
     from kernels import build
 
     tiny = Path(tiny_model("llama"))  # from the usual cache, before PAGEDQ_CACHE points at an empty one

@@ -13,8 +13,8 @@ import bisect
 import torch
 
 from engine.models.llama import AttnContext
-from engine.staging import Staging
-from engine.step_inputs import StepInputs
+from engine.runner.staging import Staging
+from engine.runner.step_inputs import StepInputs
 from kernels import Backend
 
 

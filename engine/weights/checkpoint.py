@@ -3,7 +3,7 @@
 A checkpoint's config.json names the method in `quantization_config` (transformers keeps it on the config). The
 float skeleton (engine.models.llama) loads every other tensor as usual, and each quantized linear layer dequantized
 to float (`dequantized`): exact, and what runs where there is no quantized kernel (the torch backend, CPUs without
-AVX-512 VNNI, CUDA for now, tensor parallelism). On a CPU with the kernel, engine.quantized_linear swaps those layers
+AVX-512 VNNI, CUDA for now, tensor parallelism). On a CPU with the kernel, engine.weights.quantized swaps those layers
 for the checkpoint's own integers (`read_checkpoint`, in the form read_gguf gives: {module: (Blocks, format)}).
 
 What a vLLM user would expect, and why: a config pagedq cannot read right (AWQ of other than 4 bits or another
@@ -22,10 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels.quant_checkpoint import Groups, read_awq, read_gptq
-from kernels.quant_layout import Blocks
-
-SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")  # a quantized linear's tensors, in place of its weight
+from engine.weights.awq_gptq import Groups, read_awq, read_gptq
+from engine.weights.names import FUSED, part_count
+from kernels.quant_layout import Blocks, stack
 
 
 @dataclass(frozen=True)
@@ -130,23 +129,20 @@ def why_float(s: Scheme) -> str:
 def read_checkpoint(folder: Path, config) -> tuple[dict[str, tuple[Blocks, str]], dict[str, str]]:
     """The checkpoint's quantized linear layers under pagedq's module names (q/k/v and gate/up stacked) ->
     ({module: (Blocks, format)} where every part maps onto blocks of 32, {module: why float} for the rest)."""
-    from engine.models.llama import LlamaForCausalLM
-    from engine.quantized_linear import common
-
     s = scheme(config)
     parts: dict[str, dict[int, Blocks | None]] = {}
     for prefix, groups in layers(folder, s):
         module, _, leaf = prefix.rpartition(".")
-        fused, index = LlamaForCausalLM.FUSED.get(leaf, (leaf, 0))
+        fused, index = FUSED.get(leaf, (leaf, 0))
         parts.setdefault(f"{module}.{fused}" if module else fused, {})[index] = groups.blocks()
     found, skipped = {}, {}
     for name, by_index in parts.items():
-        want = sum(fused == name.rpartition(".")[2] for fused, _ in LlamaForCausalLM.FUSED.values()) or 1
+        want = part_count(name.rpartition(".")[2])
         blocks = [by_index.get(i) for i in range(want)]
         if len(by_index) != want:  # e.g. modules_to_not_convert names q_proj alone: one stacked layer, one layout
             skipped[name] = f"{s.name}: only some of its parts are quantized in the checkpoint, dequantized to float"
         elif any(b is None for b in blocks):
             skipped[name] = why_float(s)
         else:
-            found[name] = (blocks[0] if want == 1 else common(blocks), s.name)
+            found[name] = (blocks[0] if want == 1 else stack(blocks), s.name)
     return found, skipped

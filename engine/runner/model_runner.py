@@ -13,26 +13,28 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
-from engine import host_memory, step_inputs
 from engine.block_tables import BlockTables
 from engine.config import EngineConfig
-from engine.decode_buffers import DecodeBuffers
-from engine.loader import cache_root, gguf_source
 from engine.models.llama import SUPPORTED_ARCHS, AttnContext, LlamaForCausalLM
-from engine.packed_linear import PanelLinear, pack_linears
-from engine.parallel import Shard, fail, split_heads
-from engine.quantized_checkpoint import scheme
-from engine.quantized_linear import check_mode, quantize, summary
-from engine.sampler import SamplingBatch, sample
+from engine.parallel.ranks import Ranks, local_ranks, pin
+from engine.parallel.shard import Shard, fail, split_heads
+from engine.runner import host_memory, step_inputs
+from engine.runner.decode_buffers import DecodeBuffers
+from engine.runner.sampler import SamplingBatch, sample
+from engine.runner.staging import Staging
+from engine.runner.step_inputs import Feed, StepInputs
+from engine.runner.step_message import recv_step, send_step, send_stop
 from engine.scheduler import SchedulerOutput
-from engine.staging import Staging
 from engine.stats import StepTimes
-from engine.step_inputs import Feed, StepInputs
+from engine.weights.checkpoint import scheme
+from engine.weights.loader import cache_root, gguf_source
+from engine.weights.packed import PanelLinear, pack_linears
+from engine.weights.quantized import LayerReport, check_mode, quantize, summary
 from kernels import build, get_backend
 
 log = logging.getLogger("pagedq.engine")
 
-# CPU tensor parallelism on one host: all-reduces through shared memory (engine.shm_all_reduce), not gloo's
+# CPU tensor parallelism on one host: all-reduces through shared memory (engine.parallel.shm_all_reduce), not gloo's
 # sockets, for tensors up to this size (larger ones are prefill chunks, where gloo's bandwidth serves).
 SHM_MAX_BYTES = 16 << 20
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -63,7 +65,7 @@ def _available_memory() -> int:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, folder, shard: Shard | None = None) -> None:
-        """shard: this rank's place in a tensor-parallel replica (the ranks engine.tp_worker starts); None: rank 0,
+        """shard: this rank's place in a tensor-parallel replica (the ranks engine.parallel.ranks starts); None: rank 0,
         which starts the replica's other ranks on this host when config.tensor_parallel_size > 1."""
         self.config = config
         self.device = torch.device(config.device)
@@ -84,7 +86,7 @@ class ModelRunner:
         if config.max_model_len is not None and config.max_model_len > model_max:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit of {model_max} tokens")
         self.max_model_len = config.max_model_len or model_max
-        self.ranks = None  # rank 0's handle on the other ranks of its host (engine.tp_worker.Ranks)
+        self.ranks = None  # rank 0's handle on the other ranks of its host (engine.parallel.ranks.Ranks)
         self._threads = torch.get_num_threads()
         self._cores: set[int] | None = None  # the CPU affinity before rank 0 was pinned
         self.shard = shard or self._start_replica(folder)
@@ -115,20 +117,7 @@ class ModelRunner:
         self.model.eval()
         if self.backend.layers is not None:
             self.model.use_fast_layers(self.backend.layers)
-        self.quantized = []  # engine.quantized_linear.LayerReport per linear layer, where any is quantized
-        kept = scheme(hf_config)  # an AWQ/GPTQ checkpoint: load_weights dequantized its linears to float
-        if self.shard.parallel:
-            # A GGUF's blocks are laid out for whole rows; the ranks load slices of its float conversion instead.
-            if config.quantization == "auto" and (kept or gguf_source(config.model)):
-                log.info("tensor parallelism: the %s weights are dequantized (quantized shards are not there yet)",
-                         kept.name if kept else "GGUF")
-        else:  # a CPU's kernels, or the triton backend's on a GPU
-            self.quantized = quantize(self.model, config.quantization, gguf_source(config.model), self.backend,
-                                      folder)
-            if self.quantized:
-                log.info("weights kept quantized: %s", summary(self.quantized))
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()  # the float weights they replaced: free for the KV cache's sizing
+        self.quantized = self._keep_quantized(folder)
         if self.device.type == "cpu" and config.prepack_weights:
             log.info("prepacked %d linear layers", pack_linears(self.model, config.max_num_seqs, self.backend))
         log.info("kernels: %s", self.backend.describe())
@@ -160,6 +149,25 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.graph_safe:
             self.use_padded_decode(capture=True)
 
+    def _keep_quantized(self, folder) -> list[LayerReport]:
+        """Swap the linear layers whose weights stay quantized (engine.weights.quantized) -> a LayerReport per
+        linear layer, or [] where none is."""
+        config = self.config
+        kept = scheme(self.hf_config)  # an AWQ/GPTQ checkpoint: load_weights dequantized its linears to float
+        if self.shard.parallel:
+            # A GGUF's blocks are laid out for whole rows; the ranks load slices of its float conversion instead.
+            if config.quantization == "auto" and (kept or gguf_source(config.model)):
+                log.info("tensor parallelism: the %s weights are dequantized (quantized shards are not there yet)",
+                         kept.name if kept else "GGUF")
+            return []
+        # a CPU's kernels, or the triton backend's on a GPU
+        reports = quantize(self.model, config.quantization, gguf_source(config.model), self.backend, folder)
+        if reports:
+            log.info("weights kept quantized: %s", summary(reports))
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # the float weights they replaced: free for the KV cache's sizing
+        return reports
+
     def _start_replica(self, folder) -> Shard:
         """Rank 0's shard, and with tensor parallelism the other ranks of this host, loading theirs meanwhile. A
         size that does not split the model fails here, before any rank starts."""
@@ -170,9 +178,7 @@ class ModelRunner:
         heads = hf.num_attention_heads
         split_heads(heads, getattr(hf, "num_key_value_heads", None) or heads, size, 0)
         Shard(0, size).span(hf.intermediate_size, "intermediate (MLP) features")
-        from engine.tp_worker import Ranks, local_ranks, pin
-
-        self.ranks = Ranks(config, folder, local_ranks(config)[1:])
+        self.ranks = Ranks(config, folder, local_ranks(config)[1:], ModelRunner)
         if self.device.type == "cpu":
             # After the ranks started (they would inherit it); close() gives the cores back, for the process may
             # outlive the replica.
@@ -186,8 +192,6 @@ class ModelRunner:
         """Stop the replica's other ranks (rank 0), and leave its process group."""
         if self.ranks is None:
             return
-        from engine.tp_worker import send_stop
-
         send_stop(self.shard)
         self.ranks.stop()
         self.ranks = None
@@ -208,7 +212,7 @@ class ModelRunner:
         self.decode_buffers = DecodeBuffers(self.config.max_num_seqs, max_blocks, self.device)
         self.graphs = None
         if capture:
-            from engine.cuda_graphs import DecodeGraphs
+            from engine.runner.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.model, self.decode_buffers, self.backend)
             self.graphs.capture()
@@ -272,8 +276,6 @@ class ModelRunner:
         self._last_seqs, self._last_inputs = batch.seqs, inputs
         with self._in_lockstep():
             if self.shard.parallel:  # the other ranks run the same forward on their shards
-                from engine.tp_worker import send_step
-
                 send_step(self.shard, inputs, copies)
             hidden = self._forward(inputs, copies, feed)
             if not len(inputs.sample_rows):
@@ -299,6 +301,11 @@ class ModelRunner:
                 raise
             fail(f"tensor parallelism: rank 0's part of a step failed ({type(e).__name__}: {e}): its ranks can no "
                  f"longer agree on the next step, so the replica stops")
+
+    def follow_rank0(self) -> None:
+        """A rank other than 0: run each step rank 0 sends, until it says stop."""
+        while (step := recv_step(self.shard)) is not None:
+            self.follow(*step)
 
     @torch.inference_mode()
     def follow(self, inputs: StepInputs, copies: list[tuple[int, int]]) -> None:

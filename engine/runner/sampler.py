@@ -13,8 +13,8 @@ from itertools import chain
 import numpy as np
 import torch
 
+from engine.runner.staging import Staging
 from engine.sampling_params import SamplingParams
-from engine.staging import Staging
 from kernels import torch_ops
 
 Argmax = Callable[[torch.Tensor], torch.Tensor]
@@ -36,8 +36,8 @@ class SamplingBatch:
     # Beam groups among the rows: (their rows, best first, each beam's score, candidates to keep): their K best
     # continuations are ranked on the device (engine.beam_search takes it from there).
     beams: list[tuple[list[int], list[float], int]] = field(default_factory=list)
-    # Rows under a constraint (engine.grammars) and their allowed tokens as a bitmask [rows, words]: every other
-    # token's logit is -inf before anything else looks at the logits.
+    # Rows under a constraint (engine.structured.grammars) and their allowed tokens as a bitmask [rows, words]:
+    # every other token's logit is -inf before anything else looks at the logits.
     allowed: tuple[np.ndarray, np.ndarray] | None = None
 
     @classmethod

@@ -1,6 +1,6 @@
 """What a request's output must parse as: a JSON schema, any JSON object, a regex, one of several strings, or a
-grammar (Lark or GBNF/EBNF). The grammar engine behind it is llguidance (engine.grammars); this module only says
-what a constraint is and refuses the ones that are wrong on their face, before anything compiles.
+grammar (Lark or GBNF/EBNF). The grammar engine behind it is llguidance (engine.structured.grammars); this module
+only says what a constraint is and refuses the ones that are wrong on their face, before anything compiles.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.constraints import Constraint
+from engine.structured.constraints import Constraint
 
 log = logging.getLogger("pagedq.engine")
 CACHE_SIZE = 512  # compiled constraints kept; a schema used again after falling out compiles again

@@ -76,7 +76,7 @@ class Shard:
     before_join: Callable[[], None] | None = None  # what a rank does before it joins the group (the launcher's)
     # What rank 0 does when a collective fails (the launcher's: name the rank that died); then it stops.
     on_peer_lost: Callable[[str], None] | None = None
-    # CPU ranks of one host: the largest tensor (bytes) reduced through shared memory (engine.shm_all_reduce)
+    # CPU ranks of one host: the largest tensor (bytes) reduced through shared memory (engine.parallel.shm_all_reduce)
     # rather than gloo's sockets; 0: never.
     shm_bytes: int = 0
     group: object | None = None
@@ -122,7 +122,7 @@ class Shard:
 
     def _map_shared_memory(self) -> None:
         """Rank 0 makes the file, every rank maps it, then rank 0 unlinks it (the mappings stay)."""
-        from engine.shm_all_reduce import ShmAllReduce
+        from engine.parallel.shm_all_reduce import ShmAllReduce
 
         name = torch.zeros(256, dtype=torch.uint8)
         if self.rank == 0:

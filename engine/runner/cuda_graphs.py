@@ -1,7 +1,8 @@
 """CUDA graphs for decode steps: one captured forward per padded batch size, replayed over static buffers.
 
 A decode step of a small model is dozens of short kernel launches per layer; replaying a graph issues them all at
-once. The padding and the buffers live in engine.decode_buffers (device-agnostic); only capture and replay are here.
+once. The padding and the buffers live in engine.runner.decode_buffers (device-agnostic); only capture and
+replay are here.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import time
 
 import torch
 
-from engine.decode_buffers import DecodeBuffers
+from engine.runner.decode_buffers import DecodeBuffers
 from kernels import Backend
 
 log = logging.getLogger("pagedq.engine")

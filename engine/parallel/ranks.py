@@ -2,13 +2,17 @@
 
 Rank 0 (the engine the worker runs: scheduler, block manager, sampler) starts the other ranks of its host as
 processes of their own; on other hosts `pagedq worker --node-rank K` starts theirs. Each rank loads only its shard
-(engine.parallel), joins the process group, and then runs every forward rank 0 tells it to: one step message
+(engine.parallel.shard), joins the process group, and then runs every forward rank 0 tells it to: one step message
 (the step's host inputs, broadcast once over gloo) per step, never per layer. Rank 0 alone samples; the other ranks
 send it their slice of the logits.
 
 Failure: a rank that cannot load says why to rank 0, which fails its start with that reason. Once running, a
-rank that dies stops rank 0 (engine.parallel.fail: one log line, a non-zero exit), and rank 0 dying stops the
+rank that dies stops rank 0 (engine.parallel.shard.fail: one log line, a non-zero exit), and rank 0 dying stops the
 others (their pipe to it closes, or their next collective fails).
+
+What a rank runs is given to this module, not imported by it: `runner`, a class built in the rank's process as
+runner(config, folder, shard) whose follow_rank0() runs rank 0's steps until it says stop (engine.runner's
+ModelRunner, which starts the ranks itself). So the runner imports this module and never the other way round.
 """
 
 from __future__ import annotations
@@ -23,51 +27,27 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
+from typing import Protocol
 
-import numpy as np
 import torch
 
 from engine.config import EngineConfig
-from engine.parallel import RANK_FAILED_EXIT, Shard, fail
-from engine.step_inputs import StepInputs
+from engine.parallel.shard import RANK_FAILED_EXIT, Shard, fail
 
 log = logging.getLogger("pagedq.engine")
 
-STOP, STEP = 0, 1
-HEADER = 6  # op, tokens, sequences, block-table width, copied blocks, sampled rows
 START_TIMEOUT_S = 600.0  # loading a shard of a large model from a slow disk
 
 
-# ---- the step message: rank 0 -> every rank, once per step -------------------------------------------------------
-
-def send_step(shard: Shard, inputs: StepInputs, copies: list[tuple[int, int]] | None) -> None:
-    pairs = np.asarray(copies or [], dtype=np.int64).reshape(-1, 2)
-    table = inputs.block_table
-    header = [STEP, len(inputs.input_ids), len(inputs.seq_lens), table.shape[1], len(pairs), len(inputs.sample_rows)]
-    shard.broadcast(torch.tensor(header, dtype=torch.int64))
-    body = np.concatenate([inputs.input_ids, inputs.positions, inputs.slots, inputs.query_start_loc,
-                           inputs.seq_lens, table.reshape(-1), pairs.reshape(-1), inputs.sample_rows],
-                          dtype=np.int64, casting="unsafe")
-    shard.broadcast(torch.from_numpy(body))
+class Follower(Protocol):
+    def follow_rank0(self) -> None:
+        """Run each step rank 0 sends, until it says stop."""
 
 
-def send_stop(shard: Shard) -> None:
-    shard.broadcast(torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64))
-
-
-def recv_step(shard: Shard) -> tuple[StepInputs, list[tuple[int, int]]] | None:
-    """The next step's inputs and copied blocks from rank 0; None: stop."""
-    header = shard.broadcast(torch.empty(HEADER, dtype=torch.int64)).tolist()
-    op, tokens, seqs, width, ncopies, nsample = header
-    if op == STOP:
-        return None
-    sizes = [tokens, tokens, tokens, seqs + 1, seqs, seqs * width, 2 * ncopies, nsample]
-    body = shard.broadcast(torch.empty(sum(sizes), dtype=torch.int64)).numpy()
-    ids, positions, slots, qsl, seq_lens, table, pairs, sample_rows = np.split(body, np.cumsum(sizes)[:-1])
-    inputs = StepInputs(ids, positions, slots, qsl.astype(np.int32), seq_lens.astype(np.int32),
-                        table.astype(np.int32).reshape(seqs, width), sample_rows, np.arange(seqs))
-    return inputs, [tuple(p) for p in pairs.reshape(-1, 2).tolist()]
+# What a rank builds once it holds its shard: runner(config, folder, shard). A class, so that it pickles by name.
+Runner = Callable[[EngineConfig, str, Shard], Follower]
 
 
 # ---- rank 0's handle on the ranks of its host --------------------------------------------------------------------
@@ -87,18 +67,19 @@ def local_ranks(config: EngineConfig) -> range:
 class Ranks:
     """The rank processes one host starts (ranks 1.. of node 0 beside rank 0; every rank of another node)."""
 
-    def __init__(self, config: EngineConfig, folder: str, ranks: range) -> None:
+    def __init__(self, config: EngineConfig, folder: str, ranks: range, runner: Runner) -> None:
+        """runner: what each rank runs (see the module's docstring)."""
         self.init_method = f"tcp://{config.dist_init_addr or f'127.0.0.1:{_free_port()}'}"
         ctx = mp.get_context("forkserver")
         # The fork server imports torch and the engine once; each rank forks from it in a fraction of a second.
-        ctx.set_forkserver_preload(["engine.tp_worker"])
+        ctx.set_forkserver_preload([__name__, runner.__module__])
         self.procs: dict[int, mp.Process] = {}
         self.conns: dict[int, Connection] = {}
         self.stopping = False
         level = logging.getLogger().getEffectiveLevel()
         for rank in ranks:
             ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=rank_main, args=(config, str(folder), rank, self.init_method, theirs, level),
+            proc = ctx.Process(target=rank_main, args=(config, str(folder), rank, self.init_method, theirs, runner, level),
                                name=f"pagedq-tp-rank{rank}", daemon=True)
             with _main_not_reimported():
                 proc.start()
@@ -130,7 +111,7 @@ class Ranks:
                 raise ValueError(f"tensor-parallel ranks {sorted(waiting)} did not load in {START_TIMEOUT_S:.0f} s")
 
     def watch(self) -> None:
-        """From now on a rank that dies stops this process (engine.parallel.fail)."""
+        """From now on a rank that dies stops this process (engine.parallel.shard.fail)."""
         threading.Thread(target=self._watch, name="pagedq-tp-watch", daemon=True).start()
 
     def _watch(self) -> None:
@@ -223,10 +204,9 @@ def _watch_parent(conn: Connection) -> None:
 
 
 def rank_main(config: EngineConfig, folder: str, rank: int, init_method: str, conn: Connection | None,
-              log_level: int = logging.INFO) -> None:
-    """A rank's process: load the shard, join the group, run rank 0's steps until it says stop."""
-    from engine.model_runner import ModelRunner
-
+              runner: Runner, log_level: int = logging.INFO) -> None:
+    """A rank's process: load the shard (`runner` builds it and joins the group), run rank 0's steps until it says
+    stop."""
     logging.basicConfig(level=log_level, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     # Ctrl-C in a terminal, or a SIGTERM to the process group, is for rank 0, which drains and then stops the rank;
     # a rank ending on its own would look like a crash to it.
@@ -238,7 +218,7 @@ def rank_main(config: EngineConfig, folder: str, rank: int, init_method: str, co
     if conn is not None:
         shard.before_join = lambda: conn.send(("ready", ""))
     try:
-        runner = ModelRunner(config, folder, shard)
+        follower = runner(config, folder, shard)
     except Exception as e:  # the reason goes to rank 0, which fails its start with it
         log.exception("rank %d could not start", rank)
         if conn is not None:
@@ -246,15 +226,14 @@ def rank_main(config: EngineConfig, folder: str, rank: int, init_method: str, co
         sys.exit(1)
     if conn is not None:
         threading.Thread(target=_watch_parent, args=(conn,), daemon=True).start()
-    while (step := recv_step(shard)) is not None:
-        runner.follow(*step)
+    follower.follow_rank0()
     shard.leave()
 
 
-def serve_node(config: EngineConfig, folder: str) -> int:
+def serve_node(config: EngineConfig, folder: str, runner: Runner) -> int:
     """`pagedq worker --node-rank K` (K > 0): run this host's ranks of the replica whose rank 0 is at
     dist_init_addr, until they exit -> the exit status."""
-    ranks = Ranks(config, folder, local_ranks(config))
+    ranks = Ranks(config, folder, local_ranks(config), runner)
     ranks.stopping = True  # no watchdog here: each rank's own exit says how it went
     codes = []
     for proc in ranks.procs.values():

@@ -5,7 +5,7 @@ The sources (EngineConfig.quantization):
   (READERS) keeps the file's blocks, repacked losslessly; a layer with a tensor of another type keeps the float
   path, and the log says which;
 - "auto", an AWQ or GPTQ safetensors checkpoint: its group-wise integers, also losslessly
-  (engine.quantized_checkpoint); an act-order layer keeps the float path, and the log says which;
+  (engine.weights.checkpoint); an act-order layer keeps the float path, and the log says which;
 - "int8": weight-only int8, one scale per output column, made at load from the float weights of any model;
 - "int4": weight-only asymmetric 4-bit per block of 32 inputs (round to nearest), made at load likewise (lm_head
   int8).
@@ -25,17 +25,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine import gguf_index
-from engine.packed_linear import PanelLinear, fuses_activation
-from engine.quantized_checkpoint import read_checkpoint, scheme
+from engine.weights import gguf_index
+from engine.weights.checkpoint import read_checkpoint, scheme
+from engine.weights.names import GGUF_PARTS
+from engine.weights.packed import PanelLinear, fuses_activation
 from kernels import quant_layout
-from kernels.quant_layout import Blocks
+from kernels.quant_layout import Blocks, stack
 
 log = logging.getLogger("pagedq.engine")
-
-# pagedq's fused linears -> the GGUF tensors whose rows they stack, in order ({i}: the layer)
-GGUF_PARTS = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
-              "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}
 
 
 @dataclass
@@ -67,19 +64,6 @@ class QuantLinear(PanelLinear):
         self.nbytes = self.packed.numel()
 
 
-def common(parts: list[Blocks]) -> Blocks:
-    """Row-stacked blocks in the widest layout of the parts (4 bits fit in 8; a block of 32 is two of 16)."""
-    bits, block = max(p.bits for p in parts), min(p.block for p in parts)
-
-    def widen(p: Blocks) -> Blocks:
-        repeat = p.block // block
-        return Blocks(p.u, np.repeat(p.scale, repeat, 1), np.repeat(p.min, repeat, 1), bits, block)
-
-    wide = [widen(p) for p in parts]
-    return Blocks(np.concatenate([p.u for p in wide]), np.concatenate([p.scale for p in wide]),
-                  np.concatenate([p.min for p in wide]), bits, block)
-
-
 def _unpermute(blocks: Blocks, heads: int) -> Blocks:
     """Undo llama.cpp's conversion of Llama q/k rows (pairs of rotary dims interleaved) to the Hugging Face order, as
     transformers does for the float weights."""
@@ -109,7 +93,7 @@ def read_gguf(path: Path, config) -> tuple[dict[str, tuple[Blocks, str]], dict[s
             elif arch == "llama" and ".attn_k." in part:
                 b = _unpermute(b, config.num_key_value_heads)
             blocks.append(b)
-        found[name] = (blocks[0] if len(blocks) == 1 else common(blocks), "+".join(dict.fromkeys(types)))
+        found[name] = (blocks[0] if len(blocks) == 1 else stack(blocks), "+".join(dict.fromkeys(types)))
     return found, skipped
 
 

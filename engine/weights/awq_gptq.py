@@ -1,5 +1,10 @@
 """Group-wise quantized safetensors checkpoints (AWQ, GPTQ) read into kernels/quant_layout.Blocks.
 
+Who owns what: a checkpoint's tensor formats and layer names are engine/weights' (this module reads AWQ's and
+GPTQ's packed integers, checkpoint.py their config and layers, names.py the layer maps); the block layout the
+kernels multiply is kernels/quant_layout's, and this module only fills its Blocks. So nothing here is in kernels/,
+which would otherwise hold a checkpoint format it never runs.
+
 Both formats store a linear layer of K inputs and N outputs as integers q of `bits` bits with, per group of inputs
 and output column, a float16 scale s and an integer zero z: weight[n, k] = s[g, n] * (q[k, n] - z[g, n]), g the
 group of input k. Integers are packed 32 // bits to an int32, the first in the lowest bits.

@@ -8,7 +8,7 @@ a rank can only write call k + 2 once every rank has published call k + 1, by wh
 reading call k, so one wait per call suffices.
 
 The file lives in /dev/shm and is unlinked as soon as every rank has mapped it: nothing is left behind, however
-the ranks end. A rank that dies leaves the others waiting here; the watchdogs of engine.tp_worker end them.
+the ranks end. A rank that dies leaves the others waiting here; the watchdogs of engine.parallel.ranks end them.
 """
 
 from __future__ import annotations

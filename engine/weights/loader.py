@@ -62,7 +62,7 @@ def resolve_model(model: str, cache_dir: str | None = None) -> Path:
 
 def gguf_source(model: str) -> Path | None:
     """The GGUF file `model` comes from (an alias or a .gguf path), or None: the quantized weights' source
-    (engine.quantized_linear), beside the float folder resolve_model makes of it."""
+    (engine.weights.quantized), beside the float folder resolve_model makes of it."""
     if model in ALIASES:
         return alias_gguf(model)
     path = Path(model).expanduser()
