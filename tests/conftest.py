@@ -121,7 +121,7 @@ def start_worker(redis_url, tmp_path):
             print(f"worker exited with {p.returncode}:\n{out[-5000:]}")
 # ---- end of producer / worker fixtures ----
 
-# ---- fault tests (issue 5): helpers shared by tests/test_fault_*.py ----
+# ---- fault tests (issue 5): helpers shared by tests/faults/ ----
 @pytest.fixture(scope="session")
 def pq_reference(pq_tiny_model):
     """pq_reference(requests) -> [(token_ids, text)] of an undisturbed run of the engine on JobRequests,

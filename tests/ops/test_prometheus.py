@@ -15,7 +15,7 @@ import pytest
 from producer import Client
 from worker.redis_server import free_port, stop_process
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GRAFANA_DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "pagedq.json"
 JOBS, MAX_TOKENS = 5, 7
 
