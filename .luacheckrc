@@ -1,5 +1,5 @@
 -- Lint of the Lua scripts in producer/scripts/ as Redis runs them: lib.lua prepended to each script
--- (tests/test_lua_scripts.py joins them). Redis refuses any global a script assigns, so none is allowed.
+-- (tests/queue/test_lua_scripts.py joins them). Redis refuses any global a script assigns, so none is allowed.
 std = "lua51"
 read_globals = {"redis", "cjson", "cmsgpack", "bit", "struct", "KEYS", "ARGV"}
 allow_defined = false

@@ -33,7 +33,7 @@ demo: setup
 # Two pytest processes (pytest-xdist): most tests wait on worker subprocesses and Redis, so one process leaves a
 # 2-core CI machine half idle. loadgroup: tests go one at a time to whichever process is free, so one slow test near
 # the end does not leave a core idle, except that a file marked xdist_group runs whole, in order, in one process
-# (tests/test_lua_scripts.py: its last test checks what the others covered, in that process's Redis).
+# (tests/queue/test_lua_scripts.py: its last test checks what the others covered, in that process's Redis).
 # TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
 test:

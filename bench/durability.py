@@ -22,9 +22,10 @@ import sys
 import time
 from pathlib import Path
 
+from bench.harness import repo_env, start_logged
 from producer import Client, JobRequest
 from producer.durability import Durability, online_replicas
-from worker.redis_server import RedisServer, stop_process
+from worker.redis_server import RedisServer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -51,10 +52,9 @@ def submit_latency(url: str, durability: str, n: int, tag: str) -> dict:
 
 def worker_throughput(url: str, durability: str, model: str, jobs: int, max_tokens: int, tag: str) -> dict:
     queue = f"tp-{durability}-{tag}"
-    log = open(f"/tmp/pagedq-bench-durability-{durability}.log", "w")  # noqa: SIM115 (closed below)
-    w = subprocess.Popen([sys.executable, "-m", "cli", "worker", "--redis-url", url, "--queue", queue, "--model",
-                          model, "--device", "cpu", "--max-num-seqs", "32", "--durability", durability],
-                         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    w = start_logged([sys.executable, "-m", "cli", "worker", "--redis-url", url, "--queue", queue, "--model",
+                      model, "--device", "cpu", "--max-num-seqs", "32", "--durability", durability],
+                     f"/tmp/pagedq-bench-durability-{durability}.log", env=repo_env(HF_HUB_OFFLINE="1"))
     c = Client(url, queue=queue)
     try:
         c.submit(JobRequest(id="warm", prompt="warm up", max_tokens=8)).result(timeout=300)
@@ -66,8 +66,7 @@ def worker_throughput(url: str, durability: str, model: str, jobs: int, max_toke
         seconds = time.perf_counter() - t
     finally:
         c.close()
-        stop_process(w, 30)
-        log.close()
+        w.stop(30)
     tokens = sum(r.usage.completion_tokens for r in results)
     assert all(r.status == "completed" for r in results)
     return {"jobs": jobs, "tokens": tokens, "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 1)}

@@ -31,14 +31,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import random
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.harness import Process, start_logged
 from bench.report import write_json
-from bench.serve_load import pct, start_logged, wait_health
+from bench.serve_load import pct
 from engine.config import DEFAULT_MODEL
 
 URGENT = 10
@@ -100,7 +100,7 @@ def group_job(group: str, i: int):
 # ---- the worker -------------------------------------------------------------------------------------------------
 
 def _start_worker(url: str, queue: str, model: str, device: str, max_num_seqs: int, metrics_port: int,
-                  log: Path) -> subprocess.Popen:
+                  log: Path) -> Process:
     # KV blocks for every sequence at full length, twice over: nothing is preempted for room, so every preemption
     # counted is one for priority. --drain-timeout 1: the batch is not waited for when the worker is stopped.
     blocks = 2 * max_num_seqs * (MAX_MODEL_LEN // 16)
@@ -111,7 +111,7 @@ def _start_worker(url: str, queue: str, model: str, device: str, max_num_seqs: i
                         log)
 
 
-def _results(client, ids: list[str], proc: subprocess.Popen, log: Path, timeout: float = 900) -> list:
+def _results(client, ids: list[str], proc: Process, log: Path, timeout: float = 900) -> list:
     """The jobs' results, failing with the worker's log if it exits while they are awaited."""
     end = time.monotonic() + timeout
     out = []
@@ -150,7 +150,7 @@ def _ttft_stats(results: list) -> dict:
             "ttft_max_s": max(ttft, default=None)}
 
 
-def phase_alone(client, n: int, proc: subprocess.Popen, log: Path) -> dict:
+def phase_alone(client, n: int, proc: Process, log: Path) -> dict:
     """Each urgent job alone on the idle worker, one after another."""
     results = []
     for i in range(n):
@@ -179,7 +179,7 @@ def _behind(client, results: list, batch_ids: list[str]) -> dict:
             "batch_queued_at_enqueue_min": min(j["batch_queued_at_enqueue"] for j in jobs), "jobs": jobs}
 
 
-def phase_behind(client, n: int, batch_jobs: int, spacing_s: float, proc: subprocess.Popen, log: Path,
+def phase_behind(client, n: int, batch_jobs: int, spacing_s: float, proc: Process, log: Path,
                  metrics_port: int, echo: Callable[[str], None]) -> dict:
     """The batch queued; once it runs, n urgent jobs spaced, then n at once."""
     batch_ids = [j.id for j in client.submit_many([batch_job(i) for i in range(batch_jobs)])]
@@ -209,7 +209,7 @@ def phase_groups(url: str, per_group: int, model: str, device: str, max_num_seqs
     first half of the jobs to complete."""
     from producer import Client
     from producer.groups import GroupSettings, set_group
-    from worker.redis_server import free_port, stop_process
+    from worker.redis_server import free_port
 
     with Client(url, queue=GROUPS_QUEUE) as c:
         for name, weight in WEIGHTS.items():
@@ -220,10 +220,10 @@ def phase_groups(url: str, per_group: int, model: str, device: str, max_num_seqs
         port, log = free_port(), out / "fairness-groups-worker.log"
         proc = _start_worker(url, GROUPS_QUEUE, model, device, max_num_seqs, port, log)
         try:
-            wait_health(f"http://127.0.0.1:{port}", proc, log, timeout=600, what="the groups' worker")
+            proc.wait_healthy(f"http://127.0.0.1:{port}/health", timeout=600)
             results = _results(c, ids, proc, log)
         finally:
-            stop_process(proc, 15)
+            proc.stop(15)
     # The first half: with 1/7 of the jobs per weight unit, even the heaviest group has jobs queued throughout it.
     first = sorted(results, key=lambda r: r.timings.finished_at)[: len(results) // 2]
     tokens = {g: sum(r.usage.completion_tokens for r in first if r.id.startswith(f"{g}-")) for g in WEIGHTS}
@@ -253,7 +253,7 @@ def run_fairness(device: str = "cpu", quick: bool = False, batch_jobs: int | Non
     from engine.config import EngineConfig
     from producer import Client
     from worker.config import WorkerConfig
-    from worker.redis_server import RedisServer, free_port, stop_process
+    from worker.redis_server import RedisServer, free_port
 
     n = urgent or (QUICK["urgent"] if quick else URGENT)
     batch = batch_jobs or (QUICK["batch_jobs"] if quick else BATCH_JOBS)
@@ -266,7 +266,7 @@ def run_fairness(device: str = "cpu", quick: bool = False, batch_jobs: int | Non
         port, log = free_port(), out / "fairness-worker.log"
         proc = _start_worker(srv.url, QUEUE, model, device, seqs, port, log)
         try:
-            wait_health(f"http://127.0.0.1:{port}", proc, log, timeout=600, what="the worker")
+            proc.wait_healthy(f"http://127.0.0.1:{port}/health", timeout=600)
             with Client(srv.url, queue=QUEUE) as c:
                 # The model loaded and stepped on both lanes before anything is measured.
                 _results(c, [c.submit(urgent_job("warm", 0)).id, c.submit(batch_job(-1)).id], proc, log)
@@ -275,7 +275,7 @@ def run_fairness(device: str = "cpu", quick: bool = False, batch_jobs: int | Non
                 echo(f"fairness: {batch} batch jobs queued")
                 behind = phase_behind(c, n, batch, spacing, proc, log, port, echo)
         finally:
-            stop_process(proc, 15)  # the batch with it: what it has not run is not waited for
+            proc.stop(15)  # the batch with it: what it has not run is not waited for
         groups = phase_groups(srv.url, per_group, model, device, seqs, out, echo)
     ratios = {k: {"p50": _ratio(alone["ttft_p50_s"], behind[k]["ttft_p50_s"]),
                   "max": _ratio(alone["ttft_max_s"], behind[k]["ttft_max_s"])} for k in ("spaced", "burst")}

@@ -9,12 +9,12 @@ PAGEDQ_LLAMACPP_SERVER). Every request of a workload is sent at once; the server
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bench.harness import NotReady, Process
 from bench.peers import Unavailable, locate
 from bench.result import Outcome, Run
 from bench.workloads import Workload
@@ -43,24 +43,15 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         start = time.perf_counter()
-        self.log = open(log_path, "w")  # noqa: SIM115 (open while the server runs; closed by close())
-        self.proc = subprocess.Popen(
-            [binary, "-m", gguf, "--port", str(self.port), "--host", "127.0.0.1", "-t", str(threads), "-tb",
-             str(threads), "--parallel", str(parallel), "-c", str(parallel * ctx_per_slot), "--cont-batching",
-             "-b", "2048", "-ub", "512", "--no-webui"],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        while time.perf_counter() - start < START_TIMEOUT_S:
-            if self.proc.poll() is not None:
-                raise Unavailable(f"llama-server exited with {self.proc.returncode}; see {log_path}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.2)
-        else:
+        cmd = [binary, "-m", gguf, "--port", str(self.port), "--host", "127.0.0.1", "-t", str(threads), "-tb",
+               str(threads), "--parallel", str(parallel), "-c", str(parallel * ctx_per_slot), "--cont-batching",
+               "-b", "2048", "-ub", "512", "--no-webui"]
+        self.proc = Process(cmd, log_path, name="llama-server")
+        try:
+            self.proc.wait_healthy(self.url + "/health", START_TIMEOUT_S)
+        except NotReady as e:
             self.close()
-            raise Unavailable(f"llama-server did not start in {START_TIMEOUT_S} s; see {log_path}")
+            raise Unavailable(f"{str(e).splitlines()[0]}; see {log_path}") from None
         self.startup_s = time.perf_counter() - start
 
     def complete(self, prompt_ids: list[int], max_tokens: int) -> dict:
@@ -69,12 +60,7 @@ class Server:
                                                 "return_tokens": True})
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+        self.proc.stop(30)
 
 
 def run_workload(server: Server, wl: Workload, parallel: int) -> Run:

@@ -6,20 +6,18 @@ one job before anything is timed. Times come from the client's side: from submit
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import threading
 import time
 import uuid
 from pathlib import Path
 
+from bench.harness import Process, start_logged
 from bench.result import Outcome, Run, tpot
 from bench.systems import REDIS, bar
 from bench.workloads import Workload
 
 QUEUE = "bench"
-ROOT = Path(__file__).resolve().parent.parent
 
 
 class Unavailable(RuntimeError):
@@ -36,7 +34,7 @@ class RedisPath:
         self.log_path = log_path
         self.start_timeout = start_timeout
         self.server = None
-        self.proc: subprocess.Popen | None = None
+        self.proc: Process | None = None
         self.client = None
 
     def start(self) -> RedisPath:
@@ -50,11 +48,9 @@ class RedisPath:
         except Exception as e:
             raise Unavailable(f"no redis-server: {e}") from None
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         cmd = [sys.executable, "-m", "cli", "worker", "--redis-url", self.server.url, "--queue", QUEUE,
                *self.args, "--log-level", "WARNING"]
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        self.proc = start_logged(cmd, self.log_path, name="the worker")
         self.client = Client(self.server.url, queue=QUEUE)
         try:
             # The first job waits for the model to load and pays for the first step's warm-up.
@@ -154,9 +150,7 @@ class RedisPath:
             self.client.close()
             self.client = None
         if self.proc is not None:
-            from worker.redis_server import stop_process
-
-            stop_process(self.proc, 30)
+            self.proc.stop(30)
             self.proc = None
         if self.server is not None:
             self.server.stop()

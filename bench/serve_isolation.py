@@ -27,15 +27,15 @@ import asyncio
 import concurrent.futures
 import json
 import multiprocessing
-import subprocess
 import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from bench.harness import Process, start_logged
 from bench.report import write_json
-from bench.serve_load import pct, start_logged, wait_health
+from bench.serve_load import pct
 
 STREAMS = 50
 TOKENS = 256  # per request; a stream's client sends the next when one ends
@@ -210,7 +210,7 @@ def run_serve_isolation(device: str = "cpu", quick: bool = False, streams: int |
     from bench import report
     from bench.overhead import micro_model
     from producer import Client
-    from worker.redis_server import RedisServer, free_port, stop_process
+    from worker.redis_server import RedisServer, free_port
 
     n = streams or (QUICK["streams"] if quick else STREAMS)
     window_s = QUICK["window_s"] if quick else WINDOW_S
@@ -218,7 +218,7 @@ def run_serve_isolation(device: str = "cpu", quick: bool = False, streams: int |
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model = micro_model()
-    procs: list[subprocess.Popen] = []
+    procs: list[Process] = []
     with RedisServer() as srv:
         try:
             procs.append(start_logged([sys.executable, "-m", "cli", "worker", "--redis-url", srv.url, "--queue", QUEUE,
@@ -232,14 +232,14 @@ def run_serve_isolation(device: str = "cpu", quick: bool = False, streams: int |
                             "--port", str(port), "--log-level", "WARNING", "--model", MODEL,
                             "--route", f"{PARKED}={QUEUE}-parked"], serve_log)
             procs.append(serve)
-            wait_health(base, serve, serve_log)
+            serve.wait_healthy(f"{base}/health")
             with Client(srv.url, queue=QUEUE) as c:  # the worker has loaded the model and stepped
                 c.submit(model=MODEL, prompt="warm", max_tokens=2).result(timeout=600)
             echo(f"serve-isolation: {n} streams, alone and beside each disturbance ({window_s:g} s, or the batch)")
             phases = asyncio.run(_phases(base, n, window_s, lines))
         finally:
             for p in procs:
-                stop_process(p, 15)
+                p.stop(15)
     alone = phases["alone"]["gap_p99_s"]
     ratios = {k: (v["gap_p99_s"] / alone if alone and v["gap_p99_s"] else None)
               for k, v in phases.items() if k != "alone"}

@@ -17,12 +17,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+
+from bench.harness import Process, start_logged
 
 STREAMS = 2000
 QUICK_STREAMS = 64
@@ -30,7 +31,6 @@ TOKENS = 16
 WORKERS = 2
 SERVE_CONNECTIONS = 16  # --redis-connections of the serve process
 TARGET_P99_RATIO = 1.2
-ROOT = Path(__file__).resolve().parent.parent
 QUEUE = "serve-load"
 MODEL = "micro"  # the name the workers serve the micro model under
 
@@ -209,30 +209,6 @@ async def _served(base: str, n: int, tag: str) -> dict:
             **_stats([o[1] for o in good if o[1] is not None], [o[2] for o in good])}
 
 
-def start_logged(cmd: list[str], log_path: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    with open(log_path, "w") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-
-
-def wait_health(base: str, proc: subprocess.Popen, log_path: Path, timeout: float = 60,
-                what: str = "pagedq serve") -> None:
-    """Until GET base/health answers 200 (serve's health route; a worker's --metrics-port answers any path once its
-    model is loaded); fails with the log's tail if `proc` exits or `timeout` passes first."""
-    import httpx
-
-    end = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > end:
-            raise RuntimeError(f"{what} did not start: {log_path.read_text()[-1500:]}")
-        time.sleep(0.1)
-
-
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if not a or not b else b / a
 
@@ -245,13 +221,13 @@ def run_serve_load(device: str, quick: bool, streams: int | None = None, out_dir
     from producer import Client
     from serve.events import READER_NAME
     from serve.queues import CLIENT_NAME
-    from worker.redis_server import RedisServer, free_port, stop_process
+    from worker.redis_server import RedisServer, free_port
 
     n = streams or (QUICK_STREAMS if quick else STREAMS)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model = micro_model()
-    procs: list[subprocess.Popen] = []
+    procs: list[Process] = []
     with RedisServer() as srv:
         try:
             for w in range(WORKERS):
@@ -267,7 +243,7 @@ def run_serve_load(device: str, quick: bool, streams: int | None = None, out_dir
                             "--port", str(port), "--log-level", "WARNING", "--max-open-requests", str(max(n, 1)),
                             "--redis-connections", str(SERVE_CONNECTIONS)], serve_log)
             procs.append(serve)
-            wait_health(base, serve, serve_log)
+            serve.wait_healthy(f"{base}/health")
             with Client(srv.url, queue=QUEUE) as c:  # both workers have loaded the model and stepped
                 jobs = c.submit_many([{"model": MODEL, "prompt": f"warm {i}", "max_tokens": 2} for i in range(8 * WORKERS)])
                 for j in jobs:
@@ -287,7 +263,7 @@ def run_serve_load(device: str, quick: bool, streams: int | None = None, out_dir
             served["serve_cpu_s_per_1k_tokens"] = cpu / max(1, served["completed"] * TOKENS) * 1000
         finally:
             for p in procs:
-                stop_process(p, 15)
+                p.stop(15)
     ratios = {k: _ratio(direct.get(k), served.get(k)) for k in ("ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s")}
     success = (served["completed"] + served["refused_with_retry_after"]) / n
     data = {"machine": report.machine(device), "workload": "serve-load", "model": "micro-llama-1layer (random)",

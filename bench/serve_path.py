@@ -8,13 +8,12 @@ chunk over the tokens the usage chunk reports.
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from bench.redis_path import QUEUE, ROOT, RedisPath, Unavailable
+from bench.harness import NotReady, Process, start_logged
+from bench.redis_path import QUEUE, RedisPath, Unavailable
 from bench.result import Outcome, Run, tpot
 from bench.systems import SERVE, bar
 from bench.workloads import Workload
@@ -26,35 +25,26 @@ class ServePath:
         self.model = model  # the worker serves the name it was started with
         self.log_path = log_path
         self.start_timeout = start_timeout
-        self.proc: subprocess.Popen | None = None
+        self.proc: Process | None = None
         self.base = ""
 
     def start(self) -> ServePath:
         try:
-            import httpx
             import openai  # noqa: F401
         except ImportError as e:
             raise Unavailable(f"needs the openai package and pagedq[serve]: {e}") from None
         from worker.redis_server import free_port
 
         port = free_port()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         cmd = [sys.executable, "-m", "cli", "serve", "--redis-url", self.redis.server.url, "--queue", QUEUE,
                "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         self.base = f"http://127.0.0.1:{port}"
-        end = time.monotonic() + self.start_timeout
-        while True:
-            try:
-                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > end:
-                self.close()
-                raise Unavailable(f"pagedq serve did not start: {self.log_path.read_text()[-1500:]}")
-            time.sleep(0.1)
+        try:
+            self.proc = start_logged(cmd, self.log_path, health=f"{self.base}/health", timeout=self.start_timeout,
+                                     name="pagedq serve")
+        except NotReady as e:
+            raise Unavailable(str(e)[-1500:]) from None
+        return self
 
     def run(self, wl: Workload, progress: bool = True) -> Run:
         return asyncio.run(self._run(wl, progress))
@@ -104,7 +94,5 @@ class ServePath:
 
     def close(self) -> None:
         if self.proc is not None:
-            from worker.redis_server import stop_process
-
-            stop_process(self.proc, 15)
+            self.proc.stop(15)
             self.proc = None

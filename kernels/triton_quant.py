@@ -160,7 +160,7 @@ def _interpreting() -> bool:
 def tiles(decode: bool, wide: bool) -> dict:
     """The launch's tile and warps: decode rows padded to 16 (tl.dot's minimum M), prefill 64 x 64; wide (float32
     inputs, multiplied in IEEE float32 on the FMA units) takes half the K step, and half the rows in prefill, or
-    its prefill spills registers (tests/compile_triton.py's report). Every BLOCK_K is >= 16 and a multiple of 32."""
+    its prefill spills registers (tests/kernels/compile_triton.py's report). Every BLOCK_K is >= 16 and a multiple of 32."""
     block_k = 32 if wide else 64
     block_m = 16 if decode else 64 // (1 + wide)
     return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=3)

@@ -10,7 +10,7 @@ Any node's plain `redis://` (or `rediss://`) URL works: a probe asks that node `
 user without INFO, or just one round trip less at start). Nothing is cached between calls: a URL may point at
 another deployment tomorrow.
 
-What differs on a cluster (redis-py 8.1, checked against a real 3-master cluster; tests/test_cluster_connection.py):
+What differs on a cluster (redis-py 8.1, checked against a real 3-master cluster; tests/queue/test_cluster_connection.py):
 - Both ClusterPipelines (sync and asyncio) refuse `pipe.evalsha(...)` (and so a Script called with `client=pipe`)
   on the client side: "Calling pipelined function evalsha is blocked when running redis in cluster mode". The same
   command through `pipe.execute_command("EVALSHA", ...)` is routed by its first key and works (flows send it so).

@@ -20,13 +20,33 @@ def tiny_model():
 
 
 @pytest.fixture(scope="session")
-def smollm2():
-    """One SmolLM2-135M-Instruct engine shared by the tests that need a real model: its GGUF dequantized to float32
-    (quantization="none"), the weights transformers runs, for exact greedy parity."""
+def make_engine(tiny_model):
+    """make_engine(model="llama", **config) -> a new LLMEngine. `model` is a tiny random model's architecture
+    (tests/tiny_model.py: built once, cached on disk) or any model path or name; `config`, EngineConfig's other
+    fields. Every engine of the suite's fixtures is made here, so a new EngineConfig default reaches them all."""
+    from bench.random_model import TINY_ARCHS
     from engine import EngineConfig, LLMEngine
 
-    return LLMEngine(EngineConfig(model="smollm2-135m-instruct", max_num_seqs=16, num_kv_blocks=512,
-                                  quantization="none"))
+    def make(model: str = "llama", **config) -> LLMEngine:
+        path = tiny_model(model) if model in TINY_ARCHS else str(model)
+        return LLMEngine(EngineConfig(model=path, **config))
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def engine(request, make_engine):
+    """The module's engine on a tiny random llama, made once per test file: the file's
+    `pytestmark = pytest.mark.engine(**config)` gives its EngineConfig fields (none: the defaults)."""
+    mark = request.node.get_closest_marker("engine")
+    return make_engine(*(mark.args if mark else ()), **(mark.kwargs if mark else {}))
+
+
+@pytest.fixture(scope="session")
+def smollm2(make_engine):
+    """One SmolLM2-135M-Instruct engine shared by the tests that need a real model: its GGUF dequantized to float32
+    (quantization="none"), the weights transformers runs, for exact greedy parity."""
+    return make_engine("smollm2-135m-instruct", max_num_seqs=16, num_kv_blocks=512, quantization="none")
 # ---- end of engine fixtures ----
 
 # ---- producer / worker fixtures (issue 3): a real redis-server per session, a fresh queue per test ----
@@ -87,49 +107,42 @@ def pq_tiny_model(tiny_model) -> str:
 
 @pytest.fixture
 def start_worker(redis_url, tmp_path):
-    """start_worker(queue, model, *flags) -> Popen of `python -m cli worker ...`; stopped after the test."""
-    import subprocess
+    """start_worker(queue, model, *flags) -> the Process (bench/harness.py) of `python -m cli worker ...`; stopped
+    after the test."""
     import sys
     from pathlib import Path
 
-    from worker.redis_server import stop_process
+    from bench.harness import Process
 
     procs = []
 
     def start(queue: str, model: str, *flags: str, env: dict | None = None, hooks: dict | None = None,
               url: str | None = None):
         """hooks: faults to inject ({"poison": MARK, "crash": MARK}, see tests/worker_hooks.py)."""
-        log = open(tmp_path / f"worker-{len(procs)}.log", "w+")  # noqa: SIM115 (closed at teardown)
         launcher = [sys.executable, "-m", "cli", "worker"]
         if hooks:
             launcher = [sys.executable, str(Path(__file__).parent / "worker_hooks.py"),
                         *(f"--{k}={v}" for k, v in hooks.items()), "--"]
         cmd = [*launcher, "--redis-url", url or redis_url, "--queue", queue,
                "--model", model, "--device", "cpu", "--log-level", "INFO", *flags]
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-        p.log = log
+        p = Process(cmd, tmp_path / f"worker-{len(procs)}.log", env={**os.environ, **(env or {})}, name="worker")
         procs.append(p)
         return p
 
     yield start
     for p in procs:
-        stop_process(p, 30)
-        p.log.seek(0)
-        out = p.log.read()
-        p.log.close()
-        if p.returncode not in (0, -15):
-            print(f"worker exited with {p.returncode}:\n{out[-5000:]}")
+        if p.stop(30) not in (0, -15):
+            print(f"worker exited with {p.returncode}:\n{p.tail(5000)}")
 # ---- end of producer / worker fixtures ----
 
-# ---- fault tests (issue 5): helpers shared by tests/test_fault_*.py ----
+# ---- fault tests (issue 5): helpers shared by tests/faults/ ----
 @pytest.fixture(scope="session")
-def pq_reference(pq_tiny_model):
+def pq_reference(make_engine):
     """pq_reference(requests) -> [(token_ids, text)] of an undisturbed run of the engine on JobRequests,
     with the worker's sampling parameters (its derived seeds included)."""
-    from engine import EngineConfig, LLMEngine
     from worker.validate import sampling_params
 
-    eng = LLMEngine(EngineConfig(model=pq_tiny_model, max_num_seqs=16, num_kv_blocks=512, max_model_len=256))
+    eng = make_engine(max_num_seqs=16, num_kv_blocks=512, max_model_len=256)
 
     def run(reqs):
         outs = eng.generate([r.prompt for r in reqs], [sampling_params(r) for r in reqs])
@@ -181,47 +194,30 @@ def cluster_queues(redis_cluster) -> list[str]:
 @pytest.fixture
 def start_serve(redis_url, tmp_path):
     """start_serve(queue, *flags) -> base URL ("http://127.0.0.1:PORT") of a `pagedq serve` subprocess, once its
-    /health answers; `.procs` lists the processes (a test may kill one). Stopped after the test."""
-    import subprocess
+    /health answers; `.procs` lists the processes (bench/harness.py's Process: a test may kill one). Stopped after
+    the test."""
     import sys
-    import time
 
-    import httpx
-
-    from worker.redis_server import free_port, stop_process
+    from bench.harness import Process
+    from worker.redis_server import free_port
 
     procs = []
 
     def start(queue: str, *flags: str, url: str | None = None) -> str:
         port = free_port()
-        log = open(tmp_path / f"serve-{len(procs)}.log", "w+")  # noqa: SIM115 (closed at teardown)
         cmd = [sys.executable, "-m", "cli", "serve", "--redis-url", url or redis_url, "--queue", queue,
                "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING", *flags]
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        p.log = log
+        p = Process(cmd, tmp_path / f"serve-{len(procs)}.log", name="pagedq serve")
         procs.append(p)
         base = f"http://127.0.0.1:{port}"
-        end = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    return base
-            except httpx.HTTPError:
-                pass
-            if p.poll() is not None or time.monotonic() > end:
-                log.seek(0)
-                raise RuntimeError(f"pagedq serve did not come up (exit {p.poll()}):\n{log.read()[-3000:]}")
-            time.sleep(0.1)
+        p.wait_healthy(f"{base}/health", timeout=60)
+        return base
 
     start.procs = procs
     yield start
     for p in procs:
-        stop_process(p, 15)
-        p.log.seek(0)
-        out = p.log.read()
-        p.log.close()
-        if p.returncode not in (0, -15, -9):
-            print(f"serve exited with {p.returncode}:\n{out[-5000:]}")
+        if p.stop(15) not in (0, -15, -9):
+            print(f"serve exited with {p.returncode}:\n{p.tail(5000)}")
 # ---- end of serve fixtures ----
 
 

@@ -1,4 +1,4 @@
-"""A sync tracer for the engine's launch path, on any machine (tests/test_sync_free.py uses it).
+"""A sync tracer for the engine's launch path, on any machine (tests/engine/test_sync_free.py uses it).
 
 On a GPU, a step is launched while the one before still runs; the host must not wait for the device anywhere on
 the way, or the steps stop overlapping. What makes it wait, CUDA-side: a tensor made from host data (torch.tensor,

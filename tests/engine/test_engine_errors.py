@@ -4,10 +4,7 @@ import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 
-
-@pytest.fixture(scope="module")
-def engine(tiny_model):
-    return LLMEngine(EngineConfig(model=tiny_model("llama"), max_model_len=64))
+pytestmark = pytest.mark.engine(max_model_len=64)  # the `engine` fixture (conftest.py)
 
 
 @pytest.mark.parametrize(

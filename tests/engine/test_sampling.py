@@ -4,10 +4,7 @@ import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 
-
-@pytest.fixture(scope="module")
-def engine(tiny_model):
-    return LLMEngine(EngineConfig(model=tiny_model("llama"), max_num_batched_tokens=128))
+pytestmark = pytest.mark.engine(max_num_batched_tokens=128)  # the `engine` fixture (conftest.py)
 
 
 PROMPTS = ["The sea is", "Tell me about cats", "1, 2, 3,", "Hello", "Why is the sky blue?", "Paris"]

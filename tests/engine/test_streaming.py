@@ -2,13 +2,8 @@
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import SamplingParams
 from engine.detokenizer import Detokenizer
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model):
-    return LLMEngine(EngineConfig(model=tiny_model("llama")))
 
 
 @pytest.mark.parametrize("text", ["你好，世界！今天天气很好。我们去公园散步吧。", "Café ☕ naïve — 🙂 emoji 👍🏽 ok", "plain ascii text."])

@@ -34,11 +34,7 @@ CHOICES = ["positive", "negative", "neutral"]
 REGEX = r"[A-Z]{2}-[0-9]{3}"
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model):
-    from engine import LLMEngine
-
-    return LLMEngine(EngineConfig(model=tiny_model("llama"), max_num_seqs=64, num_kv_blocks=768))
+pytestmark = pytest.mark.engine(max_num_seqs=64, num_kv_blocks=768)  # the `engine` fixture (conftest.py)
 
 
 def constrained(kind, spec, **kw) -> SamplingParams:

@@ -1,7 +1,7 @@
 """The launch path never makes the host wait for the device (issue 31): every step's inputs and sampling settings
 reach the device through pinned staging buffers with non_blocking copies, nothing made from host data is copied
 over or used as an index, and the host reads no device data until it lands a step. Checked on the CPU with the
-sync tracer (tests/sync_tracer.py) over the CUDA path's code: the Triton backend (under the interpreter), staged
+sync tracer (tests/engine/sync_tracer.py) over the CUDA path's code: the Triton backend (under the interpreter), staged
 copies as on CUDA, overlapped steps, padded decode; on a GPU, `pagedq gpu-check` runs the same loop under
 torch.cuda.set_sync_debug_mode("error")."""
 

@@ -88,7 +88,7 @@ def free_port() -> int:
 @pytest.mark.skipif(not engine_config.cpu_has_bf16(), reason="no bfloat16 matmul units on this CPU: bfloat16 is emulated")
 def test_two_ranks_in_bfloat16_stay_close_to_one_device(tiny_model):
     """bfloat16 sums the two ranks' halves of o_proj and down in another order than one device does, so tokens may
-    part where two are near tied: the project's closeness rule for bfloat16 (tests/test_cpu_dtypes.py) on the first
+    part where two are near tied: the project's closeness rule for bfloat16 (tests/engine/test_cpu_dtypes.py) on the first
     token, and every token equal while one device's choice leads by a clear margin."""
     path = tiny_model("llama", kv_heads=2)
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=5)

@@ -9,9 +9,9 @@ binder then specializes each recorded launch as the JIT does (pointers 16-byte a
 16 marked as such, integers equal to 1 made constants), so the compiled code is the code that runs; compiled
 without those hints a kernel has no cp.async pipelining and a fraction of the shared memory.
 
-`TRITON_INTERPRET=0 python3 tests/compile_triton.py [--arch 90] [--kernels all|attention|quant] [--json PATH]` prints
-a table; exit status 1 when a variant does not compile. tests/test_triton_kernels.py runs the attention kernels and
-holds bf16/fp16 to no spills; tests/test_triton_quant.py runs the quantized ones.
+`TRITON_INTERPRET=0 python3 tests/kernels/compile_triton.py [--arch 90] [--kernels all|attention|quant] [--json PATH]` prints
+a table; exit status 1 when a variant does not compile. tests/kernels/test_triton_kernels.py runs the attention kernels and
+holds bf16/fp16 to no spills; tests/kernels/test_triton_quant.py runs the quantized ones.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 # (Hq, Hkv, head_dim, block_size, dtypes): SmolLM2-135M, a Llama-3-8B-like layout, and head_dim 256.
 SHAPES = [(9, 3, 64, 16, ("bf16", "fp16", "fp32")),

@@ -16,12 +16,12 @@ from engine.weights.loader import cache_root
 from kernels import build, cpu_ops, get_backend, torch_ops
 from kernels.testing import attend, oracle, random_batch, rel_err, store, with_padding_rows
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def built():
-    # The engine's own build (tests/test_kernel_build.py builds afresh, killed and racing).
+    # The engine's own build (tests/kernels/test_kernel_build.py builds afresh, killed and racing).
     why = cpu_ops.load(build.default_root(cache_root()))
     assert why is None, why  # CI machines have a C++ compiler: a failed build is a failure, never a skip
     return cpu_ops

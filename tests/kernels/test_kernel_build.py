@@ -14,12 +14,12 @@ import pytest
 
 from kernels import build
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # A worker's start for its kernels (cpu_ops.load: build once under the lock, then load), on a one-file library of
 # its own: the lock, the private folder, the kill and the race are build.py's whatever it compiles, and a source that
 # takes seconds rather than the real kernels' minutes keeps the suite short. The real sources are built by
-# `make setup` (`pagedq kernels build`) and loaded by every test in tests/test_cpu_kernels.py.
+# `make setup` (`pagedq kernels build`) and loaded by every test in tests/kernels/test_cpu_kernels.py.
 START = """
 import logging, sys, time
 from pathlib import Path

@@ -180,7 +180,7 @@ def test_padding_rows_read_nothing():
 def test_backend_choice(monkeypatch):
     from kernels import get_backend
 
-    torch_backend = get_backend("torch", "cpu")  # "auto" on a CPU: tests/test_cpu_kernels.py
+    torch_backend = get_backend("torch", "cpu")  # "auto" on a CPU: tests/kernels/test_cpu_kernels.py
     assert torch_backend.paged_attention is torch_ops.paged_attention and not torch_backend.graph_safe
     triton = get_backend("triton", "cpu")  # the interpreter
     assert triton.paged_attention is triton_ops.paged_attention and triton.graph_safe and not triton.planned

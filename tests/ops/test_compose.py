@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_compose_file_is_valid():
@@ -55,7 +55,7 @@ def test_prometheus_and_grafana_files_are_wired():
 
 def test_every_metric_the_grafana_dashboard_queries_is_exported():
     """The names a worker's /metrics serves, from its own registry: the real-Prometheus test
-    (tests/test_prometheus.py) checks the same against scraped series where `prometheus` is installed."""
+    (tests/ops/test_prometheus.py) checks the same against scraped series where `prometheus` is installed."""
     pc = pytest.importorskip("prometheus_client")
     from worker.metrics import Metrics
     from worker.redis_server import free_port

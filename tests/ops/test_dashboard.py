@@ -5,17 +5,16 @@ under a prefix, as `pagedq serve` mounts it."""
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
+from bench.harness import Process
 from producer import Client
 from producer.keys import Keys
-from worker.redis_server import free_port, stop_process
+from worker.redis_server import free_port
 
 FLAGS = ("--max-num-seqs", "4", "--num-kv-blocks", "64", "--max-model-len", "256", "--heartbeat-s", "0.5")
 SCREENSHOT_ENV = "PAGEDQ_DASHBOARD_SCREENSHOT"  # where to keep the screenshot (docs/dashboard.png is made so)
@@ -64,28 +63,17 @@ def dashboard(redis_url, tmp_path):
 
     def start(queue: str) -> str:
         port = free_port()
-        log = open(tmp_path / "dashboard.log", "w+")  # noqa: SIM115 (closed at teardown)
-        p = subprocess.Popen([sys.executable, "-m", "cli", "dashboard", "--redis-url", redis_url, "--queue", queue,
-                              "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
-        p.log = log
+        p = Process([sys.executable, "-m", "cli", "dashboard", "--redis-url", redis_url, "--queue", queue,
+                     "--port", str(port)], tmp_path / "dashboard.log", name="the dashboard")
         procs.append(p)
         base = f"http://127.0.0.1:{port}/"
-
-        def up():
-            assert p.poll() is None, f"the dashboard exited with {p.returncode}"
-            return httpx.get(base + "api/state", timeout=2).status_code == 200
-
-        wait_for(up, 60, "the dashboard to answer")
+        p.wait_healthy(base + "api/state", timeout=60)
         return base
 
     yield start
     for p in procs:
-        stop_process(p, 10)
-        p.log.seek(0)
-        out = p.log.read()
-        p.log.close()
-        if p.returncode not in (0, -15):
-            print(f"dashboard exited with {p.returncode}:\n{out[-3000:]}")
+        if p.stop(10) not in (0, -15):
+            print(f"dashboard exited with {p.returncode}:\n{p.tail()}")
 
 
 def cells(browser, selector: str) -> dict[str, str]:

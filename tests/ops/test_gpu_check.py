@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from bench import gpu_check
 from kernels import torch_ops
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 

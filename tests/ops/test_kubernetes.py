@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from cli import main
 from producer.keys import GROUP, Keys
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
 K8S_VERSION = "1.30.0"
 

@@ -5,17 +5,17 @@ Grafana dashboard queries exists."""
 import json
 import re
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from bench.harness import Process
 from producer import Client
-from worker.redis_server import free_port, stop_process
+from worker.redis_server import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GRAFANA_DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "pagedq.json"
 JOBS, MAX_TOKENS = 5, 7
 
@@ -50,27 +50,16 @@ def prometheus(tmp_path):
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "scrape_configs": [{"job_name": "pagedq", "static_configs": [{"targets": targets}]}],
         }))
-        log = open(tmp_path / "prometheus.log", "w+")  # noqa: SIM115 (closed at teardown)
-        p = subprocess.Popen([binary, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'data'}",
-                              f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
-        p.log = log
+        p = Process([binary, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'data'}",
+                     f"--web.listen-address=127.0.0.1:{port}"], tmp_path / "prometheus.log", name="prometheus")
         procs.append(p)
         base = f"http://127.0.0.1:{port}"
-        wait_for(lambda: _ready(base, p), 60, "prometheus to start", p)
+        p.wait_healthy(f"{base}/-/ready", timeout=60)
         return base
 
     yield start
     for p in procs:
-        stop_process(p, 10)
-        p.log.close()
-
-
-def _ready(base: str, p) -> bool:
-    assert p.poll() is None, f"prometheus exited with {p.returncode}"
-    try:
-        return httpx.get(f"{base}/-/ready", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+        p.stop(10)
 
 
 def wait_for(cond, timeout: float, what: str, proc=None):

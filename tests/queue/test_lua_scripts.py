@@ -129,7 +129,7 @@ def test_luacheck(tmp_path):
         pytest.skip("luacheck not installed (apt-get install lua-check)")
     for name in scripts.NAMES:
         (tmp_path / f"{name}.lua").write_text(scripts.source(name))
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     res = subprocess.run([exe, "--no-color", "--config", str(root / ".luacheckrc"), *sorted(
         str(p) for p in tmp_path.glob("*.lua"))], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -18,11 +18,8 @@ from worker.publisher.process import RustTokenizer
 FLAGS = ("--max-num-seqs", "8", "--num-kv-blocks", "256", "--max-model-len", "256", "--lease-ms", "1500")
 
 
-@pytest.fixture(scope="module")
-def engine(pq_tiny_model):
-    from engine import EngineConfig, LLMEngine
-
-    return LLMEngine(EngineConfig(model=pq_tiny_model, max_num_seqs=8, num_kv_blocks=256, max_model_len=256))
+# the `engine` fixture (conftest.py)
+pytestmark = pytest.mark.engine(max_num_seqs=8, num_kv_blocks=256, max_model_len=256)
 
 
 def _follow(engine, tokenizer, prompt: list[int], params: SamplingParams, resume: tuple[list[int], str] = ([], "")

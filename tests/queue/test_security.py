@@ -18,7 +18,7 @@ import redis as redis_lib
 from producer import Client, Limits
 from worker.redis_server import RedisServer, find_binary, free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ADMIN_PW = "adm1n pass/with:odd@chars"  # URL-quoted in the URL: odd characters must survive the round trip
 APP_PW = "app-s3cret"
 FLAGS = ("--max-model-len", "128", "--num-kv-blocks", "64", "--max-num-seqs", "8")

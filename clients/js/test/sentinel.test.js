@@ -1,7 +1,7 @@
 // redis+sentinel:// URLs: parsing without a server, then a real primary, its replica and one Sentinel on loopback:
 // the client finds the primary through Sentinel, and after the primary is SIGKILLed and Sentinel promotes the
 // replica, it follows the new primary (producer/sentinel.py's twin; the Python side's failover tests are
-// tests/test_fault_failover.py).
+// tests/faults/test_fault_failover.py).
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import { createClient } from 'redis';
