@@ -1,7 +1,16 @@
-"""The import graph between pagedq's packages: each imports only the packages below it, so there is no cycle.
+"""The import graph: between pagedq's packages (each imports only the packages below it) and between the modules
+inside each package (no cycle, in any folder).
 
 Every import statement counts, those inside functions and under TYPE_CHECKING too: a lazy import is still a
-dependency, only a cheaper one.
+dependency, only a cheaper one, and hiding a cycle behind one keeps the cycle.
+
+Between modules, an edge goes to the module an import names: `import pkg.sub.mod` and `from pkg.sub.mod import x`
+to pkg.sub.mod; `from pkg.sub import name` to pkg.sub.name where that is a module, else to pkg/sub/__init__.py;
+relative imports resolved the same way. The parents that Python imports on the way (pkg, pkg.sub) are not edges:
+every module would otherwise be in a cycle with the __init__ of its own package, which imports any of its modules.
+An __init__ is a module like the others: what it re-exports are edges from it (engine/__init__.py -> engine.config),
+so a module that imports a name through its package's __init__ and is itself re-exported there closes a cycle and
+is named by the test; import the name from the module that owns it.
 """
 
 from __future__ import annotations
@@ -27,6 +36,12 @@ ALLOWED = {
 
 def _packages() -> set[str]:
     return {p.parent.name for p in ROOT.glob("*/__init__.py")}
+
+
+def _module(path: Path) -> str:
+    """engine/runner/sampler.py -> engine.runner.sampler; engine/__init__.py -> engine."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -62,3 +77,122 @@ def test_the_allowed_directions_have_no_cycle():
         ready = [p for p, deps in ALLOWED.items() if p not in order and deps <= set(order)]
         assert ready, f"a cycle among {sorted(set(ALLOWED) - set(order))}"
         order += ready
+
+
+def _targets(path: Path, node: ast.Import | ast.ImportFrom, modules: set[str]) -> list[str]:
+    """The modules of ours one import statement reaches (see the module's docstring)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name in modules]
+    base = node.module or ""
+    if node.level:  # relative: from the importing module's package, up level - 1 more
+        package = _module(path).split(".") if path.name == "__init__.py" else _module(path).split(".")[:-1]
+        base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+    named = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules]
+    rest = len(named) < len(node.names)
+    return named + ([base] if rest and base in modules else [])
+
+
+def module_graph() -> dict[str, set[str]]:
+    """module -> the modules of ours it imports, for every .py file in a package of ours."""
+    paths = {_module(p): p for package in ALLOWED for p in sorted((ROOT / package).rglob("*.py"))}
+    graph: dict[str, set[str]] = {m: set() for m in paths}
+    for module, path in paths.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                graph[module] |= {t for t in _targets(path, node, set(paths)) if t != module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each strongly connected group of more than one module (Tarjan's algorithm): the shortest cycle from its first
+    module, in import order, then the group's other modules (in other cycles through the same ones), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    found = []
+    for group in groups:
+        cycle = _one_cycle(graph, group)
+        found.append(cycle + sorted(group - set(cycle)))
+    return sorted(found)
+
+
+def _one_cycle(graph: dict[str, set[str]], group: set[str]) -> list[str]:
+    """A path inside `group` from its first module back to it (breadth-first: the shortest)."""
+    start = min(group)
+    came: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & group):
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(came[path[-1]])
+                    return path[::-1]
+                if w not in came:
+                    came[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    return [start]
+
+
+def test_no_cycle_between_modules():
+    graph = module_graph()
+    lines = []
+    for group in cycles(graph):
+        cycle = _one_cycle(graph, set(group))
+        rest = group[len(cycle):]
+        lines.append(" -> ".join(cycle + cycle[:1]) + (f" (and through {', '.join(rest)})" if rest else ""))
+    assert not lines, "import cycles between modules (each imports the next):\n" + "\n".join(lines)
+
+
+def test_the_cycle_finder_names_cycles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}, "f": set()}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"p": {"q"}, "q": {"p"}, "r": {"p"}}) == [["p", "q"]]
+    # llama -> checkpoint -> llama is the shortest; quantized closes a second cycle through checkpoint
+    knot = {"llama": {"checkpoint"}, "checkpoint": {"llama", "quantized"}, "quantized": {"checkpoint"}}
+    assert cycles(knot) == [["checkpoint", "llama", "quantized"]]
+
+
+def test_an_import_is_an_edge_to_the_module_it_names():
+    modules = {"engine", "engine.config", "engine.runner", "engine.runner.sampler", "engine.runner.staging"}
+    path = ROOT / "engine" / "runner" / "sampler.py"
+
+    def edges(code: str) -> list[str]:
+        return [t for node in ast.walk(ast.parse(code)) if isinstance(node, (ast.Import, ast.ImportFrom))
+                for t in _targets(path, node, modules)]
+
+    assert edges("import engine.runner.staging") == ["engine.runner.staging"]
+    assert edges("from engine.runner import staging") == ["engine.runner.staging"]
+    assert edges("from engine.runner import Staging") == ["engine.runner"]  # a name its __init__ gives
+    assert edges("from engine import EngineConfig") == ["engine"]
+    assert edges("from . import staging") == ["engine.runner.staging"]
+    assert edges("from ..config import EngineConfig") == ["engine.config"]
+    assert edges("def f():\n    import engine.runner.staging") == ["engine.runner.staging"]  # lazy: an edge still
+    assert edges("import numpy") == []
