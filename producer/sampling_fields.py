@@ -35,7 +35,7 @@ class SamplingField:
 
     name: str  # on the job (JobRequest), and on the engine's SamplingParams where `engine`
     type: Any  # the job's type, without the bounds
-    default: Any  # the job's default; a list default means a new empty list
+    default: Any  # the job's default; a list's is [] (a new empty list each time)
     ge: float | None = None
     gt: float | None = None
     le: float | None = None
@@ -66,10 +66,8 @@ class SamplingField:
 
     def field(self) -> Any:
         """The pydantic FieldInfo of the job's field."""
-        if isinstance(self.default, list):
+        if isinstance(self.default, list):  # a list's bounds are its items' (annotation)
             return Field(default_factory=list)
-        if get_origin(self.type) is list:
-            return Field(default=self.default)
         return Field(default=self.default, **self.bounds)
 
 

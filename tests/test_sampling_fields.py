@@ -111,7 +111,9 @@ def test_the_table_is_well_formed():
     for f in SAMPLING:
         if f.bounds:
             assert _base_types(f.type) & {int, float, list}, f"{TABLE}: {f.name} has bounds but is not a number"
-        if f.default is not None and not isinstance(f.default, list):
+        if typing.get_origin(f.type) is list:
+            assert f.default == [], f"{TABLE}: {f.name} is a list: its default is []"
+        elif f.default is not None:
             assert type(f.default) in _base_types(f.type) or isinstance(f.default, int) and float in _base_types(
                 f.type), f"{TABLE}: {f.name}'s default {f.default!r} is not a {f.type}"
 
