@@ -7,9 +7,17 @@ import re
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
+from producer import sampling_fields
 from producer.keys import DEFAULT_LANE, GROUP_NAME_PATTERN, LANES
+from producer.sampling_fields import INT32_MAX as INT32_MAX  # the bounds are the table's; named here too
+from producer.sampling_fields import INT64_MAX as INT64_MAX
+from producer.sampling_fields import INT64_MIN as INT64_MIN
+from producer.sampling_fields import MAX_LENGTH_PENALTY as MAX_LENGTH_PENALTY
+from producer.sampling_fields import MAX_REPETITION_PENALTY as MAX_REPETITION_PENALTY
+from producer.sampling_fields import MAX_TEMPERATURE as MAX_TEMPERATURE
+from producer.sampling_fields import MIN_REPETITION_PENALTY as MIN_REPETITION_PENALTY
 
 JobStatus = Literal["queued", "running", "completed", "failed", "cancelled", "expired"]
 FinishReason = Literal["stop", "length", "cancelled", "error", "expired"]
@@ -18,13 +26,6 @@ TERMINAL = ("completed", "failed", "cancelled", "expired")
 _ID_RE = re.compile(r"^[\x21-\x7e]{1,200}$")  # printable ASCII without spaces: it becomes part of key names
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")  # a lone UTF-16 half: JSON can spell it, UTF-8 cannot hold it
 
-# Bounds every worker can hold whatever its settings (Limits holds the configurable ones): each value fits the
-# integer or float32 that the engine turns it into, so no arithmetic on it can overflow.
-INT32_MAX = 2**31 - 1
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-MAX_TEMPERATURE = 100.0  # far past the point where sampling is uniform; keeps logits / temperature finite
-MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0  # logits are multiplied or divided by it
-MAX_LENGTH_PENALTY = 10.0  # beam search divides by length ** length_penalty, either sign
 MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
 
@@ -38,8 +39,8 @@ class Message(BaseModel):
     content: str
 
 
-class JobRequest(BaseModel):
-    """One generation job. Field names and meanings follow OpenAI's completions / chat completions."""
+class _JobHead(BaseModel):
+    """A job's first fields: which job, which model, what prompt."""
 
     # NaN and infinity have no JSON form: refused here, not sent as null to mean something else.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -48,31 +49,16 @@ class JobRequest(BaseModel):
     model: str | None = Field(default=None, max_length=256)  # None: whatever model the queue's workers serve
     prompt: str | None = None
     messages: list[Message] | None = None
-    # Past the model's context the output ends there ("length"); Limits.max_tokens bounds it at submit.
-    max_tokens: int = Field(default=256, ge=1, le=INT32_MAX)
-    temperature: float = Field(default=1.0, ge=0, le=MAX_TEMPERATURE)  # 0: greedy
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=-1, le=INT32_MAX)  # 0 or -1: off. Bounded: the sampler makes a tensor of it
-    min_p: float = Field(default=0.0, ge=0, le=1)
-    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
-    stop: list[str] = Field(default_factory=list)
-    # Each below the model's vocabulary size too: the worker checks that, as only it knows the model.
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    # OpenAI's ranges; repetition_penalty is vLLM's (> 1 discourages repeats, 1 is off).
-    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
-    # Several continuations of the prompt, on shared KV blocks (the engine's SamplingParams): n returned; best_of
-    # run and the n of highest cumulative logprob returned; or beam search (greedy: temperature 0).
-    # Limits.max_n / max_width bound these, and the worker refuses a width its batch or KV cache can never hold.
-    n: int = Field(default=1, ge=1, le=INT32_MAX)
-    best_of: int | None = Field(default=None, ge=1, le=INT32_MAX)
-    use_beam_search: bool = False
-    beam_width: int | None = Field(default=None, ge=1, le=INT32_MAX)  # None: best_of, else n
-    length_penalty: float = Field(default=1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
-    early_stopping: bool | Literal["never"] = False
+
+
+# Then how its tokens are drawn: max_tokens to early_stopping, made from the one table of them.
+_JobSampling = create_model("_JobSampling", __base__=_JobHead, **sampling_fields.pydantic_fields())
+
+
+class JobRequest(_JobSampling):
+    """One generation job. Field names and meanings follow OpenAI's completions / chat completions; the sampling
+    fields (max_tokens ... early_stopping) are producer.sampling_fields' table."""
+
     # What the output must parse as, at most one of: OpenAI's response_format ({"type": "text" | "json_object" |
     # "json_schema", "json_schema": {"name", "schema", "strict"}}) or vLLM's guided_* fields. The worker masks
     # every token the constraint does not allow; the output ends where the constraint is complete.

@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from producer import sampling_fields
 from producer.protocol import JobRequest, lone_surrogate
 from serve import constraints
 from serve.errors import APIError, bad_request, unsupported
@@ -38,14 +39,12 @@ COMPLETIONS = "/v1/completions"
 ENDPOINTS = (CHAT, COMPLETIONS)
 
 CONSTRAINTS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's, beside response_format
-# Fields each endpoint maps onto a JobRequest (or reads itself).
-_COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "max_tokens", "stop", "seed", "n",
-           "presence_penalty", "frequency_penalty", "user", "logprobs",
-           "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "priority", "best_of",
-           "use_beam_search", "length_penalty", "early_stopping", "response_format", "service_tier", *CONSTRAINTS}
-_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "metadata", "safety_identifier",
-                   "prompt_cache_key", "store", "modalities", "tools", "tool_choice",
-                   "parallel_tool_calls"}
+# Fields each endpoint maps onto a JobRequest (or reads itself); the sampling ones are producer.sampling_fields'.
+_COMMON = {"model", "stream", "stream_options", "user", "priority", "response_format", "service_tier",
+           *CONSTRAINTS, *sampling_fields.openai_names(chat=False)}
+_CHAT = _COMMON | sampling_fields.openai_names(chat=True) | {
+    "messages", "metadata", "safety_identifier", "prompt_cache_key", "store", "modalities", "tools", "tool_choice",
+    "parallel_tool_calls"}
 _COMPLETION = _COMMON | {"prompt", "echo", "suffix"}
 # OpenAI fields pagedq does not do at all (named in the 400); any other unknown field is unrecognized.
 _UNSUPPORTED = {"logit_bias": "", "functions": "no function calling", "function_call": "no function calling",
@@ -101,9 +100,7 @@ def parse(kind: Kind, body: Any, job_id: str | None = None, default_max_tokens: 
         fields["messages"] = _messages(body.get("messages"))
     else:
         fields["prompt"] = _prompt(body.get("prompt"))
-    for name in ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "top_k",
-                 "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "priority", "n", "best_of",
-                 "use_beam_search", "length_penalty", "early_stopping", "response_format", *CONSTRAINTS):
+    for name in (*sampling_fields.COPIED, "priority", "response_format", *CONSTRAINTS):
         if name in body:
             fields[name] = body[name]
     tools = parse_tools(body) if kind == "chat" else None

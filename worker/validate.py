@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from engine import Constraint, SamplingParams
 from producer.protocol import JobRequest, Limits
+from producer.sampling_fields import engine_kwargs
 from producer.wire import ENTRY_JOB
 
 
@@ -66,17 +67,13 @@ def job_seed(job_id: str) -> int:
 
 
 def sampling_params(req: JobRequest) -> SamplingParams:
-    seed = req.seed if req.seed is not None else job_seed(req.id)
+    """The engine's parameters of a job: its sampling fields (producer.sampling_fields), its seed, or one fixed by
+    its id, and its constraint."""
+    params = engine_kwargs(req)
+    if params["seed"] is None:
+        params["seed"] = job_seed(req.id)
     try:
-        return SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                              top_k=req.top_k, min_p=req.min_p, seed=seed, stop=list(req.stop),
-                              stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
-                              logprobs=req.logprobs, presence_penalty=req.presence_penalty,
-                              frequency_penalty=req.frequency_penalty,
-                              repetition_penalty=req.repetition_penalty, n=req.n, best_of=req.best_of,
-                              use_beam_search=req.use_beam_search, beam_width=req.beam_width,
-                              length_penalty=req.length_penalty, early_stopping=req.early_stopping,
-                              constraint=Constraint(*req.constraint) if req.constraint else None)
+        return SamplingParams(**params, constraint=Constraint(*req.constraint) if req.constraint else None)
     except (ValueError, TypeError) as e:
         raise Rejected("invalid_request", str(e)) from None
 
