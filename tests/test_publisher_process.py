@@ -11,6 +11,7 @@ from faults import log_of, started, wait_for
 from engine import SamplingParams
 from producer import Client
 from worker.job import RunningJob
+from worker.publisher.handle import extra
 from worker.publisher.job_view import JobView
 from worker.publisher.messages import tokenizer_spec
 from worker.publisher.process import RustTokenizer
@@ -38,7 +39,7 @@ def _follow(engine, tokenizer, prompt: list[int], params: SamplingParams, resume
     while True:
         for out in engine.step():
             assert out.text_deferred  # nothing in the step needs the text without stop strings
-            view.take(out.new_token_ids, None, out.finish_reason, 0, None, 0.0)
+            view.take(out.new_token_ids, extra(0, out) if out.finished else None, 0, 0.0)
             if out.finished:
                 return out.text, view.choice(0).text()
 

@@ -30,8 +30,7 @@ from producer.errors import LeaseLost, NotReplicated, StreamGap
 from producer.keys import Keys
 from producer.protocol import ErrorInfo, TokenLogprob
 from worker.pipeline import note_unreplicated, run_calls
-from worker.publisher.job_view import FINISH, JobView
-from worker.publisher.messages import StepOutput
+from worker.publisher.job_view import FINISH, JobView, StepOutput
 
 log = logging.getLogger("pagedq.worker")
 
