@@ -13,13 +13,11 @@ and fail are idempotent) with the next round trips until one does, and is settle
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
-from json.encoder import encode_basestring
 from typing import NamedTuple, Protocol
 
 import redis as redis_lib
@@ -348,11 +346,7 @@ class RedisWriter(threading.Thread):
             log.info("job %s: handed back to the queue", job.id)
 
     def _token_event(self, out: StepOutput) -> str:
-        several = out.view.several
-        if not out.logprobs and not several:  # the hot case, a job per step: a format string, no generic encoder
-            ids = ",".join(map(str, out.token_ids))
-            return f'{{"type":"token","text":{encode_basestring(out.text)},"token_ids":[{ids}]}}'
-        event = {"type": "token", "text": out.text, "token_ids": out.token_ids}
+        lps = None
         if out.logprobs:
             lps = [TokenLogprob(token_id=t, logprob=lp, top=top)
                    for t, (lp, top) in zip(out.token_ids, out.logprobs, strict=False)]
@@ -360,9 +354,8 @@ class RedisWriter(threading.Thread):
             if choice.logprobs is None:
                 choice.logprobs = []
             choice.logprobs.extend(lps)
-            event["logprobs"] = [x.model_dump() for x in lps]
-        if several:  # which continuation; where it ended, so that a resumed job does not go on with it
-            event["index"] = out.choice.index
-            if out.finish_reason is not None:
-                event["finish_reason"] = FINISH.get(out.finish_reason)
-        return json.dumps(event)
+            lps = [x.model_dump() for x in lps]
+        if not out.view.several:
+            return wire.token_event(out.text, out.token_ids, lps)
+        # Which continuation; where it ended, so that a resumed job does not go on with it.
+        return wire.token_event(out.text, out.token_ids, lps, out.choice.index, FINISH.get(out.finish_reason))
