@@ -15,10 +15,10 @@ import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+import worker.publisher.messages as messages
 from engine.outputs import RequestOutput
 from worker.job import RunningJob
 from worker.metrics import Metrics
-from worker.publisher import messages
 from worker.publisher.writer import RELAYED
 
 log = logging.getLogger("pagedq.worker")

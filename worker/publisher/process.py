@@ -14,9 +14,9 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
+import worker.publisher.messages as messages
 from producer.keys import Keys
 from worker.job import RunningJob
-from worker.publisher import messages
 from worker.publisher.job_view import JobView, StepOutput
 from worker.publisher.writer import RedisWriter
 
