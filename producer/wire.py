@@ -1,9 +1,13 @@
 """The names of the wire protocol: job states, the fields of every hash and stream entry, event types and
-the error codes of the Lua scripts. The scripts spell the same names (tests/test_wire_names.py checks that
+the error codes of the Lua scripts; and the token event's encoder and decoder, side by side. The scripts spell the same names (tests/test_wire_names.py checks that
 every name a script uses is declared here); PROTOCOL.md documents them for producers in other languages.
 """
 
 from __future__ import annotations
+
+import json
+from json.encoder import encode_basestring
+from typing import NamedTuple
 
 # ---- job states (the `state` field of the job hash) ----
 QUEUED = "queued"  # in the jobs stream, not yet started (or handed back)
@@ -50,6 +54,39 @@ EV_ERROR = "error"
 EV_CANCELLED = "cancelled"
 # The terminal event type of each final state.
 TERMINAL_EVENT = {COMPLETED: EV_DONE, FAILED: EV_ERROR, CANCELLED: EV_CANCELLED, EXPIRED: EV_ERROR}
+
+
+class TokenEvent(NamedTuple):
+    """A token event as a worker reads back what earlier deliveries of a job streamed."""
+
+    index: int  # which continuation (0 in a job with one)
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None  # in a job with several: the continuation ended here
+
+
+def token_event(text: str, token_ids: list[int], logprobs: list[dict] | None = None, index: int | None = None,
+                finish_reason: str | None = None) -> str:
+    """A token event's JSON, as the worker writes it (index and finish_reason: only in a job with several
+    continuations; logprobs: TokenLogprob dicts)."""
+    if logprobs is None and index is None:  # the hot case, a job per step: a format string, no generic encoder
+        return f'{{"type":"token","text":{encode_basestring(text)},"token_ids":[{",".join(map(str, token_ids))}]}}'
+    event: dict = {"type": EV_TOKEN, "text": text, "token_ids": token_ids}
+    if logprobs is not None:
+        event["logprobs"] = logprobs
+    if index is not None:
+        event["index"] = index
+        if finish_reason is not None:
+            event["finish_reason"] = finish_reason
+    return json.dumps(event)
+
+
+def read_token_event(raw: str) -> TokenEvent | None:
+    """A token event from its JSON (token_event's); None for any other event."""
+    ev = json.loads(raw)
+    if ev.get("type") != EV_TOKEN:
+        return None
+    return TokenEvent(ev.get("index", 0), ev.get("token_ids", []), ev.get("text", ""), ev.get("finish_reason"))
 
 # ---- fields of a dead letter (an entry of pq:{q}:dlq) ----
 DLQ_FIELDS = ("id", "error", "reason", "attempts", "worker", "at", "job")

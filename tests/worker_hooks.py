@@ -47,7 +47,7 @@ def crash(mark: str) -> None:
     def _step(self):
         step(self)
         for job in self.active.values():
-            if job.emitted and mark in (job.request.prompt or ""):
+            if job.first_token_at is not None and mark in (job.request.prompt or ""):
                 os.kill(os.getpid(), signal.SIGKILL)
 
     worker_mod.Worker._step = _step

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from producer.calls import Delivery
 from producer.keys import DEFAULT_LANE
@@ -11,6 +12,11 @@ from producer.protocol import JobRequest
 
 @dataclass
 class RunningJob:
+    """The worker's record of one delivery of a job. Its fields in SENT cross to the publisher (messages.Begin),
+    which writes them in the job's result; the others are the worker's own and stay in it. What the result says
+    of the output (its tokens, text, first token time, usage) is the publisher's own (job_view.JobView): the
+    worker only sends it each step's events."""
+
     id: str
     entry: str  # its stream entry id, to XACK
     lease: str  # the token every write presents
@@ -19,17 +25,23 @@ class RunningJob:
     started_at: float
     request: JobRequest | None = None
     prompt_tokens: int = 0
-    deadline: float | None = None  # unix time past which it expires
-    first_token_at: float | None = None
-    emitted: int = 0  # output tokens in its event stream (those of earlier deliveries included)
     # What earlier deliveries streamed, that this one continues, per continuation (a job with one: index 0):
     # [index, token ids, text, finish reason if it had ended]. Lists: the job crosses a pipe as JSON.
     resumed: list[list] = field(default_factory=list)
+    lane: str = DEFAULT_LANE  # the lane and group whose stream it was read from
+    group: str | None = None
+
+    # ---- the worker's own ----
+    deadline: float | None = None  # unix time past which it expires
+    # When this delivery's first token came, as the step loop saw it: for its metrics and its preemption
+    # (the result's first_token_at is the publisher's, from the same step's event).
+    first_token_at: float | None = None
     # Searches for the cause of a failed engine step that this job was in and that found none (worker.quarantine):
     # at max_attempts the job goes back to the queue as a failed delivery (the crash-loop rule).
     unexplained_faults: int = 0
-    lane: str = DEFAULT_LANE  # the lane and group whose stream it was read from
-    group: str | None = None
+
+    SENT: ClassVar[tuple[str, ...]] = ("id", "entry", "lease", "attempts", "enqueued_at", "started_at", "request",
+                                       "prompt_tokens", "resumed", "lane", "group")
 
     def resumed_choice(self, index: int) -> tuple[list[int], str, str | None]:
         for i, ids, text, reason in self.resumed:

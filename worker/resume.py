@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import redis as redis_lib
 
 from producer.keys import Keys
-from producer.wire import EVENT_FIELD
+from producer.wire import EVENT_FIELD, read_token_event
 
 
 def read_output(r: redis_lib.Redis, keys: Keys, job_id: str) -> list[list]:
@@ -24,11 +22,10 @@ def read_output(r: redis_lib.Redis, keys: Keys, job_id: str) -> list[list]:
         if not entries:
             return [[i, ids[i], "".join(parts[i]), ended.get(i)] for i in sorted(ids)]
         for eid, fields in entries:
-            ev = json.loads(fields[EVENT_FIELD])
-            if ev.get("type") == "token":
-                index = ev.get("index", 0)
-                ids.setdefault(index, []).extend(ev.get("token_ids", []))
-                parts.setdefault(index, []).append(ev.get("text", ""))
-                if ev.get("finish_reason"):
-                    ended[index] = ev["finish_reason"]
+            ev = read_token_event(fields[EVENT_FIELD])
+            if ev is not None:
+                ids.setdefault(ev.index, []).extend(ev.token_ids)
+                parts.setdefault(ev.index, []).append(ev.text)
+                if ev.finish_reason:
+                    ended[ev.index] = ev.finish_reason
             last = eid

@@ -254,7 +254,7 @@ class Worker:
         def begin() -> None:
             if started.emitted:
                 self._read_resumed(job)
-                log.info("job %s: resuming after %d tokens (attempt %d)", job_id, job.emitted, job.attempts)
+                log.info("job %s: resuming after %d tokens (attempt %d)", job_id, job.resumed_tokens, job.attempts)
             self._add(job, fields, now)
 
         self._guarded(job, begin)
@@ -277,7 +277,6 @@ class Worker:
     def _read_resumed(self, job: RunningJob) -> None:
         """What the job's earlier runs streamed, which this one continues."""
         job.resumed = read_output(self.r, self.keys, job.id)
-        job.emitted = job.resumed_tokens
 
     def _add(self, job: RunningJob, fields: dict, now: float) -> None:
         req = job.request = parse(fields, job.id, self.cfg.limits, self.served)
@@ -479,7 +478,6 @@ class Worker:
                 del active[out.request_id]
                 ends.append((job, out))
             items.append(out)
-            job.emitted += n
             ntok += n
         return items, firsts, ends, ntok
 

@@ -2,17 +2,19 @@
 whose publisher died stops with a clear error instead of computing results nobody writes."""
 
 import os
+import re
 import signal
 from pathlib import Path
 
 import pytest
 from faults import log_of, started, wait_for
 
-from engine import SamplingParams
+from engine import Constraint, SamplingParams
 from producer import Client
 from worker.job import RunningJob
+from worker.publisher.handle import extra
 from worker.publisher.job_view import JobView
-from worker.publisher.messages import tokenizer_spec
+from worker.publisher.messages import Extra, tokenizer_spec
 from worker.publisher.process import RustTokenizer
 
 FLAGS = ("--max-num-seqs", "8", "--num-kv-blocks", "256", "--max-model-len", "256", "--lease-ms", "1500")
@@ -35,7 +37,7 @@ def _follow(engine, tokenizer, prompt: list[int], params: SamplingParams, resume
     while True:
         for out in engine.step():
             assert out.text_deferred  # nothing in the step needs the text without stop strings
-            view.take(out.new_token_ids, None, out.finish_reason, 0, None, 0.0)
+            view.take(out.new_token_ids, extra(0, out) if out.finished else None, 0, 0.0)
             if out.finished:
                 return out.text, view.choice(0).text()
 
@@ -55,6 +57,36 @@ def test_the_publisher_decodes_as_the_engine(engine, seed):
     # Resumed after tokens another delivery streamed.
     ref, got = _follow(engine, tokenizer, prompt, params, (list(first.token_ids), first.text))
     assert got == ref
+
+
+def test_the_publisher_shows_a_grammars_last_token_and_hides_a_stop_token(engine):
+    """The publisher leaves out a last token only where the engine says it is a hidden stop token: a grammar's
+    last token ends its job with "stop" too, and shows. (Every output decoded by the publisher here, as it is
+    once the engine defers a grammar's last token like any other.)"""
+    from engine.detokenizer import CONTEXT_TOKENS
+
+    tokenizer = RustTokenizer(tokenizer_spec(engine.tokenizer)[1])
+    prompt = engine.tokenizer.encode("Code:")
+    free = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0]
+    cases = {"grammar": SamplingParams(max_tokens=16, temperature=0,
+                                       constraint=Constraint("regex", "[a-f]{4}-[0-9]{2}")),
+             "stop token": SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[free.token_ids[3]])}
+    texts = {}
+    for name, params in cases.items():
+        engine.add_request(name, prompt_token_ids=prompt, params=params)
+        view = JobView.begin(RunningJob(id=name, entry="0-1", lease="l", attempts=1, enqueued_at=None,
+                                        started_at=0.0), tokenizer, prompt[-CONTEXT_TOKENS:])
+        last = None
+        while last is None:
+            for out in engine.step():
+                extra = Extra(0, None, out.finish_reason, None, out.hidden_stop) if out.finished else None
+                view.take(out.new_token_ids, extra, 0, 0.0)
+                last = out if out.finished else None
+        assert last.finish_reason == "stop" and last.hidden_stop == (name == "stop token"), name
+        texts[name] = view.choice(0).text()
+        assert texts[name] == last.text, name
+    assert re.fullmatch("[a-f]{4}-[0-9]{2}", texts["grammar"])  # its last digit shown
+    assert texts["stop token"] == engine.tokenizer.decode(free.token_ids[:3], skip_special_tokens=True)
 
 
 def _children(pid: int) -> list[int]:

@@ -62,6 +62,30 @@ def test_constrained_jobs_through_redis(redis_url, queue, pq_tiny_model, start_w
             JobRequest(prompt="x", **bad)
 
 
+def test_a_grammars_last_token_shows_and_a_stop_token_does_not(redis_url, queue, pq_tiny_model, start_worker):
+    """Both end with "stop": a grammar's last token is part of the text, in the result and in the event stream; a
+    stop token (as EOS) is kept in token_ids but its text is not shown. The engine says which (hidden_stop)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(pq_tiny_model)
+    start_worker(queue, pq_tiny_model, *WORKER_FLAGS)
+    with Client(redis_url, queue=queue) as c:
+        free = c.submit(prompt="Code:", max_tokens=8, temperature=0).result(timeout=60)
+        stop = free.token_ids[3]
+        jobs = {"grammar": c.submit(prompt="Code:", max_tokens=16, temperature=0, guided_regex="[a-f]{4}-[0-9]{2}"),
+                "stop token": c.submit(prompt="Code:", max_tokens=16, temperature=0, stop_token_ids=[stop])}
+        for name, job in jobs.items():
+            events = list(job.stream())
+            res = events[-1].result
+            assert res.status == "completed" and res.finish_reason == "stop", name
+            assert "".join(e.text for e in events if e.type == "token") == res.text, name
+            assert [t for e in events if e.type == "token" for t in e.token_ids] == res.token_ids, name
+            shown = res.token_ids if name == "grammar" else res.token_ids[:-1]
+            assert res.text == tok.decode(shown, skip_special_tokens=True), name
+    assert re.fullmatch("[a-f]{4}-[0-9]{2}", jobs["grammar"].result(timeout=5).text)
+    assert jobs["stop token"].result(timeout=5).token_ids[-1] == stop
+
+
 def test_openai_sdk_parse_tools_and_errors(redis_url, queue, pq_tiny_model, start_worker, start_serve):
     start_worker(queue, pq_tiny_model, *WORKER_FLAGS)
     base = start_serve(queue, "--model", "tiny")

@@ -8,12 +8,12 @@ Its parts, by role:
 - handle.Publisher, the step loop's side: hands each step's new tokens over a pipe (a few plain values per job,
   written by a feeder thread so that the loop never waits on the pipe), and counts finished jobs until they are
   written, since they hold intake room until then.
-- process, the publisher process: follows each job (job_view.JobView: its decoder, its output so far), turns each
-  step's message into StepOutput records and hands them to the writer.
+- process, the publisher process: follows each job (job_view.JobView: its decoder, its output so far, all that
+  its result says of it), turns each step's message into StepOutput records and hands them to the writer.
 - writer.RedisWriter, a thread of that process: writes whatever piled up in one pipelined round trip (token
   events, results, acks) and reports to the worker's metrics (writer.WriterMetrics).
 
-What crosses the pipe, and the one record of a job's step, are in messages.
+What crosses the pipe is in messages: a record per message, one encoder and one decoder.
 """
 
 from worker.publisher.handle import DIED, Publisher

@@ -1,20 +1,39 @@
 """A job as the publisher process follows it: per continuation, the decoder that turns its tokens to text as the
-engine's deferred decoding would and its output so far; and the JobResult it ends with."""
+engine's deferred decoding would and its output so far; each step's news of it (StepOutput); and the JobResult it
+ends with. What the result says of the output is kept here only: the worker sends events (messages.Step)."""
 
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 from engine.detokenizer import Detokenizer
 from producer.protocol import Choice, ErrorInfo, JobResult, Timings, TokenLogprob, Usage
 from worker.job import RunningJob
-from worker.publisher.messages import StepOutput
+from worker.publisher.messages import Extra
 
 log = logging.getLogger("pagedq.worker")
 
 # The engine's finish reasons, as a JobResult names them.
 FINISH = {"stop": "stop", "length": "length", "abort": "cancelled"}
 _ENGINE = {v: k for k, v in FINISH.items()}
+_NO_EXTRA = Extra(0, None, None, None)
+
+
+class StepOutput(NamedTuple):
+    """One job's news from one engine step, as the publisher process writes it (one per job per step): rebuilt
+    from the step's message, with the text the step left to the process decoded and where the tokens start in
+    the job's stream counted."""
+
+    view: JobView  # the job as the process follows it
+    choice: ChoiceView  # the continuation these are of (a job with one: its only one)
+    offset: int  # output tokens the job's event stream holds before these (every continuation's)
+    token_ids: list[int]  # the new ones
+    text: str  # theirs
+    finish_reason: str | None  # set on the continuation's last step: stop, length or abort
+    ends_job: bool  # the job's last step (with one continuation: the same as a finish reason)
+    cached_tokens: int
+    logprobs: list | None  # per token: (its logprob, {token id: logprob} of the top N)
 
 
 class ChoiceView:
@@ -31,11 +50,12 @@ class ChoiceView:
         self.cumulative_logprob: float | None = None
         self.detok = detok
 
-    def decode(self, tokens: list[int], reason: str | None) -> str:
-        # As the engine's deferred decoding: a stop token (EOS included) ends the text without showing.
+    def decode(self, tokens: list[int], reason: str | None, hidden_stop: bool = False) -> str:
+        """As the engine's deferred decoding. hidden_stop: the last token is a stop token (EOS included) whose
+        text is not shown, as the engine said (a grammar's last token ends with "stop" too, and shows)."""
         if reason is None:
             return "".join(map(self.detok.add_one, tokens))
-        return self.detok.add([] if reason == "stop" else tokens, final=True)[0]
+        return self.detok.add(tokens[:-1] if hidden_stop else tokens, final=True)[0]
 
     def text(self) -> str:
         return "".join(self.pieces)
@@ -50,8 +70,10 @@ class JobView:
         self.choices: dict[int, ChoiceView] = {}
         for index, ids, text, reason in job.resumed:  # a reason as the stream names it, back to the engine's
             self.choices[index] = ChoiceView(index, self._decoder(ids, text), ids, text, _ENGINE.get(reason, reason))
+        # What the result says of the output, kept here only (the worker sends events):
         self.emitted = sum(len(c.ids) for c in self.choices.values())  # output tokens its event stream holds
         self.cached = 0  # prompt tokens served from the prefix cache, as of its latest step
+        self.first_token_at: float | None = None  # the time of the first step that brought this delivery tokens
         # The token chunks the writer sent, in order: what it sends again to a stream that lost its last writes
         # (a failover promoted a replica that lacked them). The last chunk rides with the result and is not here.
         self.sent: list = []
@@ -78,30 +100,32 @@ class JobView:
             self.choices[index] = ChoiceView(index, self._decoder([], ""), [], "")
         return self.choices[index]
 
-    def take(self, tokens: list[int], text: str | None, reason: str | None, cached: int, logprobs, now: float,
-             index: int = 0, ends_job: bool | None = None, cumulative_logprob: float | None = None) -> StepOutput:
-        """One step's news of one of the job's continuations. text None: decode the tokens here; logprobs as they
-        crossed the pipe. ends_job None: the job ends with its continuation (a job with one)."""
+    def take(self, tokens: list[int], extra: Extra | None, cached: int, now: float) -> StepOutput:
+        """One step's news of one of the job's continuations: its new tokens and, for a job with more to say,
+        the step's Extra (None: tokens and nothing else, of continuation 0, not its last)."""
+        extra = extra or _NO_EXTRA
+        logprobs = extra.logprobs
         if logprobs:  # JSON keeps no int keys: (logprob, [[token, logprob], ...]) per token
             logprobs = [(lp, dict(top)) for lp, top in logprobs]
-        choice = self.choice(index)
+        reason = extra.finish_reason
+        choice = self.choice(extra.index)
+        text = extra.text
         if text is None:
             try:
-                text = choice.decode(tokens, reason)
+                text = choice.decode(tokens, reason, extra.hidden_stop)
             except Exception:  # the tokens still count, and the job still ends: its text misses a piece
                 log.exception("job %s: could not decode tokens %s", self.job.id, tokens)
                 text = ""
-        offset = self.emitted  # the worker's count too: the tokens its stream holds before these
+        offset = self.emitted  # the tokens its stream holds before these
         self.emitted += len(tokens)
         choice.ids.extend(tokens)
         choice.pieces.append(text)
         choice.finish_reason = reason or choice.finish_reason
-        choice.cumulative_logprob = cumulative_logprob
+        choice.cumulative_logprob = extra.cumulative_logprob
         self.cached = cached
-        if self.job.first_token_at is None and tokens:
-            self.job.first_token_at = now
-        ends_job = reason is not None if ends_job is None else ends_job
-        return StepOutput(self, choice, offset, tokens, text, reason, ends_job, cached, logprobs)
+        if self.first_token_at is None and tokens:
+            self.first_token_at = now
+        return StepOutput(self, choice, offset, tokens, text, reason, extra.ends_job, cached, logprobs)
 
     def result(self, status: str, worker: str, model: str | None, finished_at: float, finish_reason: str | None,
                error: ErrorInfo | None = None) -> JobResult:
@@ -124,7 +148,7 @@ class JobView:
             finish_reason=finish_reason if choices is None else FINISH.get(first.finish_reason, finish_reason),
             usage=Usage(prompt_tokens=job.prompt_tokens, completion_tokens=self.emitted, cached_tokens=self.cached),
             timings=Timings(enqueued_at=job.enqueued_at, started_at=job.started_at,
-                            first_token_at=job.first_token_at, finished_at=finished_at),
+                            first_token_at=self.first_token_at, finished_at=finished_at),
             worker=worker,
             attempts=job.attempts,
             error=error,

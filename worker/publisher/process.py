@@ -1,6 +1,6 @@
 """The publisher process: the program worker.publisher.handle starts, fed over a pipe (messages).
 
-It follows each job the worker runs (JobView), turns each step's message into StepOutput records, decoding the
+It follows each job the worker runs (JobView), turns each Step message into StepOutput records, decoding the
 text the engine left to it, and hands them to the RedisWriter, which writes them to Redis.
 """
 
@@ -13,12 +13,11 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection
-from typing import Any
 
+import worker.publisher.messages as messages
 from producer.keys import Keys
-from worker.publisher import messages
-from worker.publisher.job_view import JobView
-from worker.publisher.messages import Setup, StepOutput, job_from_wire
+from worker.job import RunningJob
+from worker.publisher.job_view import JobView, StepOutput
 from worker.publisher.writer import RedisWriter
 
 log = logging.getLogger("pagedq.worker")
@@ -45,15 +44,15 @@ class _Up:
     def __init__(self, conn: Connection) -> None:
         self.conn, self.lock = conn, threading.Lock()
 
-    def __call__(self, *msg: Any) -> None:
+    def __call__(self, msg: messages.Message) -> None:
         try:
             with self.lock:
-                self.conn.send_bytes(json.dumps(msg).encode())
+                self.conn.send_bytes(messages.encode(msg).encode())
         except OSError:  # the worker is gone: nobody to tell, but what it handed over is still written
             pass
 
     def put(self, notice: tuple[str, str, str]) -> None:  # the writer's notices
-        self(messages.NOTICE, *notice)
+        self(messages.Notice(*notice))
 
 
 class RelayedMetrics:
@@ -63,57 +62,67 @@ class RelayedMetrics:
         self.up = up
 
     def publish_round_trip(self, seconds: float) -> None:
-        self.up(messages.METRIC, "publish_round_trip", seconds)
+        self.up(messages.Metric("publish_round_trip", [seconds]))
 
     def lease_lost(self) -> None:
-        self.up(messages.METRIC, "lease_lost")
+        self.up(messages.Metric("lease_lost", []))
 
     def job_done(self, status: str) -> None:
-        self.up(messages.METRIC, "job_done", status)
+        self.up(messages.Metric("job_done", [status]))
 
     def dead_letter(self) -> None:
-        self.up(messages.METRIC, "dead_letter")
+        self.up(messages.Metric("dead_letter", []))
 
     def not_replicated(self) -> None:
-        self.up(messages.METRIC, "not_replicated")
+        self.up(messages.Metric("not_replicated", []))
 
     def resent(self, tokens: int) -> None:
-        self.up(messages.METRIC, "resent", tokens)
+        self.up(messages.Metric("resent", [tokens]))
 
 
 def serve(down: Connection, up: _Up) -> None:
     from worker import LOG_FORMAT
 
-    setup = Setup.from_wire(json.loads(down.recv_bytes())[0][1])
+    first = json.loads(down.recv_bytes())
+    setup = messages.decode(first[0])
     logging.basicConfig(level=setup.log_level, format=LOG_FORMAT)
     kind, spec = setup.tokenizer
     tokenizer = RustTokenizer(spec) if kind == "rust" else _load_tokenizer(spec)
 
     def settled(n: int) -> None:
         if n:
-            up(messages.SETTLED, n)
+            up(messages.Settled(n))
 
     writer = RedisWriter(_connect(setup), Keys(setup.queue), setup.settings, setup.model, RelayedMetrics(up), up,
-                         settled, setup.durability, on_flushed=lambda n: up(messages.FLUSHED, n))
+                         settled, setup.durability, on_flushed=lambda n: up(messages.Flushed(n)))
     writer.start()
+    _follow(down, writer, tokenizer, first[1:])
+
+
+def _follow(down: Connection, writer: RedisWriter, tokenizer, batch: list) -> None:
+    """Hand the worker's messages to the writer until Stop (or until the worker is gone)."""
     views: dict[str, JobView] = {}
     while True:
-        try:
-            batch = json.loads(down.recv_bytes())
-        except (EOFError, OSError):  # the worker is gone: write what it handed over, briefly
-            writer.close(PARENT_GONE_TIMEOUT_S)
-            return
-        for msg in batch:
-            if msg[0] == messages.STOP:
-                writer.close(msg[1])
-                return
+        for value in batch:
             try:
+                msg = messages.decode(value)
+                if isinstance(msg, messages.Stop):
+                    break
                 _handle(msg, writer, views, tokenizer)
             except Exception:  # one bad message must not stop the others' results
-                log.exception("publisher: could not handle %r", msg[0])
+                log.exception("publisher: could not handle a %r message", value[0])
+        else:
+            try:
+                batch = json.loads(down.recv_bytes())
+            except (EOFError, OSError):  # the worker is gone: write what it handed over, briefly
+                writer.close(PARENT_GONE_TIMEOUT_S)
+                return
+            continue
+        writer.close(msg.timeout)
+        return
 
 
-def _connect(setup: Setup):
+def _connect(setup: messages.Setup):
     # A cluster client meets its servers at once: a Redis restart at that moment is waited out, not fatal.
     import redis as redis_lib
 
@@ -129,52 +138,48 @@ def _connect(setup: Setup):
             delay = min(delay * 2, 2.0)
 
 
-def _handle(msg: list, writer: RedisWriter, views: dict[str, JobView], tokenizer) -> None:
-    op = msg[0]
-    if op == messages.STEP:
-        writer.step(_step_outputs(msg, views, writer), msg[1])
-    elif op == messages.BEGIN:
-        job = job_from_wire(msg[1])
-        views[job.id] = JobView.begin(job, tokenizer, msg[2])
-    elif op == messages.FORGET:
-        if msg[1] in views and views[msg[1]].job.lease == msg[2]:
-            del views[msg[1]]
-    elif op == messages.END:
-        writer.end(_held(views, msg[1]), msg[2], msg[3], msg[4])
-    elif op == messages.FAIL:
-        writer.fail(_held(views, msg[1]), msg[2], msg[3])
-    elif op == messages.RELEASE:
-        writer.release(_held(views, msg[1]), msg[2], msg[3], msg[4])
-    elif op == messages.FLUSH:
-        writer.mark(msg[1])
+def _handle(msg: messages.Message, writer: RedisWriter, views: dict[str, JobView], tokenizer) -> None:
+    if isinstance(msg, messages.Step):
+        writer.step(_step_outputs(msg, views, writer), msg.now)
+    elif isinstance(msg, messages.Begin):
+        views[msg.job.id] = JobView.begin(msg.job, tokenizer, msg.context)
+    elif isinstance(msg, messages.Forget):
+        if msg.job_id in views and views[msg.job_id].job.lease == msg.lease:
+            del views[msg.job_id]
+    elif isinstance(msg, messages.End):
+        writer.end(_held(views, msg.job), msg.status, msg.finish_reason, msg.why)
+    elif isinstance(msg, messages.Fail):
+        writer.fail(_held(views, msg.job), msg.type, msg.message)
+    elif isinstance(msg, messages.Release):
+        writer.release(_held(views, msg.job), msg.mode, msg.type, msg.message)
+    elif isinstance(msg, messages.Flush):
+        writer.mark(msg.n)
 
 
-def _step_outputs(msg: list, views: dict[str, JobView], writer: RedisWriter) -> list[StepOutput]:
-    """A step message (by column, see StepOutput) -> a StepOutput per job."""
-    _, now, ids, tokens, cached, extras = msg
-    more = {e[0]: e[1:] for e in extras}
+def _step_outputs(step: messages.Step, views: dict[str, JobView], writer: RedisWriter) -> list[StepOutput]:
+    """A Step (by column) -> a StepOutput per job."""
+    more = {e.at: e for e in step.extras}
+    tokens, cached = step.tokens, step.cached
     outputs = []
-    for i, job_id in enumerate(ids):
-        # (text, reason, logprobs), and for a job with several continuations (index, ends the job, cumulative)
-        text, reason, logprobs, *choice = more.get(i, (None, None, None))
-        ends_job = choice[1] if choice else reason is not None
+    for i, job_id in enumerate(step.ids):
+        extra = more.get(i)
         view = views.get(job_id)
         if view is None:
             log.error("publisher: tokens for job %s, which never began here", job_id)
-            if ends_job:
+            if extra is not None and extra.ends_job:
                 writer.on_settled(1)  # it still held the worker's intake room
             continue
         new = [tokens[i]] if isinstance(tokens[i], int) else tokens[i]
-        outputs.append(view.take(new, text, reason, cached[i], logprobs, now, *choice))
-        if ends_job:
+        outputs.append(view.take(new, extra, cached[i], step.now))
+        if extra is not None and extra.ends_job:
             del views[job_id]
     return outputs
 
 
-def _held(views: dict[str, JobView], wire: dict) -> JobView:
+def _held(views: dict[str, JobView], job: RunningJob) -> JobView:
     """The job as followed here, if this is the delivery followed; else the worker's copy (it never began)."""
-    view = views.pop(wire["id"], None)
-    return view if view is not None and view.job.lease == wire["lease"] else JobView(job_from_wire(wire))
+    view = views.pop(job.id, None)
+    return view if view is not None and view.job.lease == job.lease else JobView(job)
 
 
 def _load_tokenizer(folder: str):

@@ -1,57 +1,34 @@
 """The writer: a thread of the publisher process that writes a worker's outputs to Redis, one pipelined round
 trip per batch of them. The process hands it each step's outputs (StepOutput) and the jobs that end otherwise;
 JSON encoding and the network happen here. Whatever piled up while a round trip was in flight goes out together
-in the next one.
-
-Across a failover: a promoted replica may lack the last tokens this worker wrote. The scripts then answer with
-a gap (publish: the tokens the stream holds; complete: GAP) and, while the job is still this worker's, the
-writer sends the chunks it sent from there again, in the same order, before anything later: the stream ends up
-as an undisturbed run's. Each job keeps the chunks it sent (JobView.sent) for that. With durability
-"replicated" every round trip ends with WAIT; a job's end that no replica confirmed is written again (complete
-and fail are idempotent) with the next round trips until one does, and is settled only then.
+in the next one. What a failover may lose on the way (tokens a promoted replica lacks, ends no replica
+confirmed) is the healing module's to write again.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
-from json.encoder import encode_basestring
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import redis as redis_lib
 
 from producer import calls, wire
 from producer.durability import ASYNC_DURABILITY, Durability
-from producer.errors import LeaseLost, NotReplicated, StreamGap
+from producer.errors import LeaseLost, NotReplicated
 from producer.keys import Keys
 from producer.protocol import ErrorInfo, TokenLogprob
 from worker.pipeline import note_unreplicated, run_calls
-from worker.publisher.job_view import FINISH, JobView
-from worker.publisher.messages import StepOutput
+from worker.publisher.healing import CONFIRM_RETRY_S, End, Healer
+from worker.publisher.job_view import FINISH, JobView, StepOutput
 
 log = logging.getLogger("pagedq.worker")
 
 _STOP = object()
 _MARK = "mark"  # an inbox item (_MARK, n): everything before it written, on_flushed(n) is called
-HEAL_ROUNDS = 3  # round trips that send lost chunks again, per batch (one is enough unless failovers repeat)
-CONFIRM_RETRY_S = 0.2  # replicated: how soon an unconfirmed end is written again when nothing else comes
-# Ends written again until a replica confirms them: complete and fail find a job they ended before and write
-# nothing (a release would be refused: the job is no longer this worker's, so it is not sent again).
-_REWRITABLE = ("complete", "fail")
-
-
-class End(NamedTuple):
-    """A job's end as the writer sends it: its view, its final status (or "released") and the script call.
-    again: written before, and sent again until a replica confirms it (its outcome was reported then)."""
-
-    view: JobView
-    status: str
-    call: calls.Call
-    again: bool = False
 
 
 class WriterMetrics(Protocol):
@@ -93,7 +70,7 @@ class RedisWriter(threading.Thread):
         self.durability = durability
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.give_up_at = float("inf")
-        self.unconfirmed: list[End] = []  # replicated: ends written, not yet confirmed by a replica
+        self.healer = Healer(keys, self._run, metrics.resent)
 
     # ---- the process's side ---------------------------------------------------------------------------------
 
@@ -130,7 +107,7 @@ class RedisWriter(threading.Thread):
         stop = False
         while not stop:
             try:  # unconfirmed ends are written again after a while even when nothing else comes
-                batch = [self.inbox.get(timeout=CONFIRM_RETRY_S if self.unconfirmed else None)]
+                batch = [self.inbox.get(timeout=CONFIRM_RETRY_S if self.healer.unconfirmed else None)]
             except queue.Empty:
                 batch = []
             while True:
@@ -144,17 +121,17 @@ class RedisWriter(threading.Thread):
             marks = [op[1] for op in batch if op[0] == _MARK]
             if marks:
                 batch = [op for op in batch if op[0] != _MARK]
-            if batch or self.unconfirmed:
+            if batch or self.healer.unconfirmed:
                 self._flush_until_written(batch)
             for n in marks:  # a mark came after everything in this batch: all of it is written now
                 self.on_flushed(n)
-        while self.unconfirmed and time.monotonic() < self.give_up_at:  # stopping: a last chance to confirm
+        while self.healer.unconfirmed and time.monotonic() < self.give_up_at:  # stopping: a last chance to confirm
             time.sleep(CONFIRM_RETRY_S)
             self._flush_until_written([])
-        if self.unconfirmed:
-            log.error("publisher: %d job ends no replica confirmed; stopping anyway", len(self.unconfirmed))
-            self.on_settled(len(self.unconfirmed))
-            self.unconfirmed = []
+        if self.healer.unconfirmed:
+            n = self.healer.give_up()
+            log.error("publisher: %d job ends no replica confirmed; stopping anyway", n)
+            self.on_settled(n)
 
     def _flush_until_written(self, batch: list) -> None:
         # Every write is fenced and idempotent, so retrying a batch whose reply was lost is safe; giving up
@@ -191,35 +168,18 @@ class RedisWriter(threading.Thread):
                 self._step_calls(op[1], op[2], chunks, ends)
             else:
                 ends.append(self._end_call(op))
-        ends += self.unconfirmed
+        ends += self.healer.unconfirmed
         t = time.perf_counter()
-        acks, outs, confirmed = self._write(chunks, ends)
+        acks, outs, confirmed = self.healer.write(chunks, ends)
         self.metrics.publish_round_trip(time.perf_counter() - t)
-        held: list[End] = []
         if not confirmed:  # written, but a failover now could lose them: the ends wait for a replica
             self.metrics.not_replicated()
-            held = [e._replace(again=True) for e, out in zip(ends, outs, strict=True)
-                    if e.call.script in _REWRITABLE and not isinstance(out, Exception)]
-        self.unconfirmed = held
-        self.on_settled(len(ends) - len(held))
+        self.on_settled(len(ends) - self.healer.hold(ends, outs, confirmed))
         if chunks:
             self._read_acks([view for view, _ in chunks], acks)
         for end, out in zip(ends, outs, strict=True):
             if not end.again or (isinstance(out, Exception) and not isinstance(out, LeaseLost)):
                 self._read_end(end.view, end.status, out)
-
-    def _write(self, chunks: list[tuple[JobView, calls.Chunk]], ends: list[End]) -> tuple[list | None, list, bool]:
-        """Write the chunks and the ends in one round trip, and again what a failover lost (_heal). Returns the
-        chunks' acks, the ends' outcomes, and whether the replicas durability asks for confirmed it all."""
-        todo = ([calls.publish(self.keys, [c for _, c in chunks])] if chunks else []) + [e.call for e in ends]
-        outs, confirmed = self._run(todo)
-        acks = outs.pop(0) if chunks else None
-        for _ in range(HEAL_ROUNDS):
-            gaps = self._gaps(chunks, acks, ends, outs)
-            if not gaps:
-                break
-            confirmed = self._heal(gaps, chunks, acks, ends, outs) and confirmed
-        return acks, outs, confirmed
 
     def _run(self, todo: list[calls.Call]) -> tuple[list, bool]:
         try:
@@ -227,65 +187,6 @@ class RedisWriter(threading.Thread):
         except NotReplicated as e:
             note_unreplicated(e)
             return e.outcomes, False
-
-    @staticmethod
-    def _gaps(chunks: list, acks, ends: list[End], outs: list) -> dict[str, tuple[JobView, int]]:
-        """Jobs whose stream lacks tokens this worker wrote: job id -> (its view, the tokens the stream holds)."""
-        gaps: dict[str, tuple[JobView, int]] = {}
-
-        def add(view: JobView, emitted: int) -> None:
-            known = gaps.get(view.job.id)
-            gaps[view.job.id] = (view, emitted if known is None else min(known[1], emitted))
-
-        if isinstance(acks, list):
-            for (view, _), ack in zip(chunks, acks, strict=True):
-                if isinstance(ack, calls.Gap):
-                    add(view, ack.emitted)
-        for end, out in zip(ends, outs, strict=True):
-            if isinstance(out, StreamGap):
-                add(end.view, out.emitted)
-        return gaps
-
-    def _heal(self, gaps: dict[str, tuple[JobView, int]], chunks: list, acks: list | None, ends: list[End],
-              outs: list) -> bool:
-        """Send each gap's chunks again from where its stream stops, then the ends that met it; puts their
-        replies in place of the gap replies in `acks` and `outs`. Returns whether replicas confirmed it."""
-        resend: list[calls.Chunk] = []
-        lost: set[str] = set()
-        for job_id, (view, emitted) in gaps.items():
-            again = [c for c in view.sent if c.offset >= emitted]
-            if not again or again[0].offset != emitted:
-                # The stream stops before this delivery's first chunk: it lost tokens an earlier delivery wrote,
-                # which cannot be while it holds this delivery's lease (the start came after them).
-                log.error("job %s: its stream holds %d tokens, before this delivery's: giving it up", job_id, emitted)
-                lost.add(job_id)
-                continue
-            resend += again
-            log.warning("job %s: its stream lost its last tokens (a failover?): writing %d again from token %d",
-                        job_id, sum(c.count for c in again), emitted)
-        redo = [i for i, (e, out) in enumerate(zip(ends, outs, strict=True))
-                if isinstance(out, StreamGap) and e.view.job.id not in lost]
-        todo = ([calls.publish(self.keys, resend)] if resend else []) + [ends[i].call for i in redo]
-        if not todo:
-            replies, confirmed = [], True
-        else:
-            replies, confirmed = self._run(todo)
-            self.metrics.resent(sum(c.count for c in resend))
-        latest: dict[str, object] = {}
-        if resend:
-            resent_acks = replies.pop(0)
-            for c, ack in zip(resend, resent_acks if isinstance(resent_acks, list) else [], strict=False):
-                latest[c.job_id] = ack
-        if isinstance(acks, list):
-            for k, ((view, _), ack) in enumerate(zip(chunks, acks, strict=True)):
-                if isinstance(ack, calls.Gap) and view.job.id in gaps:
-                    acks[k] = "lost" if view.job.id in lost else latest.get(view.job.id, ack)
-        for i, out in zip(redo, replies, strict=True):
-            outs[i] = out
-        for i, (e, out) in enumerate(zip(ends, outs, strict=True)):
-            if isinstance(out, StreamGap) and e.view.job.id in lost:
-                outs[i] = LeaseLost(f"job {e.view.job.id}: its stream lost tokens this worker cannot send again")
-        return confirmed
 
     def _step_calls(self, outputs: list[StepOutput], now: float, chunks: list, ends: list[End]) -> None:
         for out in outputs:
@@ -300,8 +201,7 @@ class RedisWriter(threading.Thread):
                 ends.append(End(view, wire.COMPLETED, calls.complete(
                     self.keys, job.delivery, wire.COMPLETED, res.model_dump_json(), self.ttl, chunk, out.offset)))
             elif chunk:
-                if not view.sent or view.sent[-1].offset < chunk.offset:  # not when a failed flush is retried
-                    view.sent.append(chunk)
+                self.healer.sent(view, chunk)
                 chunks.append((view, chunk))
 
     def _end_call(self, op: tuple) -> End:
@@ -349,11 +249,7 @@ class RedisWriter(threading.Thread):
             log.info("job %s: handed back to the queue", job.id)
 
     def _token_event(self, out: StepOutput) -> str:
-        several = out.view.several
-        if not out.logprobs and not several:  # the hot case, a job per step: a format string, no generic encoder
-            ids = ",".join(map(str, out.token_ids))
-            return f'{{"type":"token","text":{encode_basestring(out.text)},"token_ids":[{ids}]}}'
-        event = {"type": "token", "text": out.text, "token_ids": out.token_ids}
+        lps = None
         if out.logprobs:
             lps = [TokenLogprob(token_id=t, logprob=lp, top=top)
                    for t, (lp, top) in zip(out.token_ids, out.logprobs, strict=False)]
@@ -361,9 +257,8 @@ class RedisWriter(threading.Thread):
             if choice.logprobs is None:
                 choice.logprobs = []
             choice.logprobs.extend(lps)
-            event["logprobs"] = [x.model_dump() for x in lps]
-        if several:  # which continuation; where it ended, so that a resumed job does not go on with it
-            event["index"] = out.choice.index
-            if out.finish_reason is not None:
-                event["finish_reason"] = FINISH.get(out.finish_reason)
-        return json.dumps(event)
+            lps = [x.model_dump() for x in lps]
+        if not out.view.several:
+            return wire.token_event(out.text, out.token_ids, lps)
+        # Which continuation; where it ended, so that a resumed job does not go on with it.
+        return wire.token_event(out.text, out.token_ids, lps, out.choice.index, FINISH.get(out.finish_reason))
