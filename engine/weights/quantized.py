@@ -98,7 +98,7 @@ def read_gguf(path: Path, config) -> tuple[dict[str, tuple[Blocks, str]], dict[s
 
 
 MAKERS = {"int8": quant_layout.int8_per_channel, "int4": quant_layout.int4_groups}
-# mode -> (the body's format, lm_head's). 4-bit logits cost most of int4's perplexity (README, "Perplexity"), so
+# mode -> (the body's format, lm_head's). 4-bit logits cost most of int4's perplexity (docs/quantization.md, "Perplexity"), so
 # int4 keeps lm_head at int8, as llama.cpp's 4-bit files keep output.weight at 6 or 8 bits and AWQ/GPTQ leave it float.
 MADE_AT_LOAD = {"int8": ("int8", "int8"), "int4": ("int4", "int8")}
 

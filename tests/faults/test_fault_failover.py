@@ -2,7 +2,7 @@
 on loopback: a SIGKILLed primary under load with both durability levels, a worker cut off across the failover,
 and a stream that lost its last tokens.
 
-The failover table these tests print (jobs in, acknowledged, completed, lost, duplicated) is the README's."""
+The failover table these tests print (jobs in, acknowledged, completed, lost, duplicated) is docs/guarantees.md's."""
 
 from __future__ import annotations
 
