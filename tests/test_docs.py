@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())  # wherever tests/ puts it
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 README_MAX_LINES = 300  # issue 40: a front page, read in a few minutes
