@@ -48,8 +48,7 @@ class CopyBlocks(Protocol):
 
 
 class Layers(Protocol):
-    """The elementwise layers in one pass each, rounding as the model's torch code does
-    (LlamaForCausalLM.use_fast_layers)."""
+    """The elementwise layers in one pass each, in place of the model's torch code (LlamaForCausalLM.use_fast_layers)."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())  # wherever tests/ puts it
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 README_MAX_LINES = 300  # issue 40: a front page, read in a few minutes
@@ -97,3 +97,20 @@ def test_every_pagedq_command_and_option_in_the_pages_exists():
                 if flag.startswith("-") and flag not in options:
                     wrong.append(f"{page.name}: pagedq {' '.join(ctx_words)} {flag} (no such option)")
     assert not wrong, "commands the pages name that do not exist:\n" + "\n".join(wrong)
+
+
+def test_every_test_file_the_pages_name_exists():
+    """Pages name tests by file (`test_fault_failover.py`), not by folder, so that moving a test keeps them true."""
+    have = {p.name for p in (ROOT / "tests").rglob("*.py")}
+    named = {name for page in _pages() for name in re.findall(r"\b((?:test_[a-z0-9_]+|compile_triton)\.py)\b",
+                                                                 page.read_text())}
+    assert not named - have, f"test files the pages name that do not exist: {sorted(named - have)}"
+
+
+def test_every_test_the_pages_name_exists():
+    """The guarantees name the test of each failure (`test_a_stream_that_lost_its_last_tokens_gets_them_again`)."""
+    defined = set()
+    for path in (ROOT / "tests").rglob("*.py"):
+        defined |= set(re.findall(r"def (test_\w+)", path.read_text()))
+    named = {name for page in _pages() for name in re.findall(r"`(test_\w+)`", page.read_text())}
+    assert not named - defined, f"tests the pages name that do not exist: {sorted(named - defined)}"
