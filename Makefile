@@ -7,7 +7,7 @@ PY ?= $(shell if [ -x .venv/bin/python ]; then echo .venv/bin/python; \
 	elif $(SYSTEM_PY) -c 'import os, sys, sysconfig; sys.exit(sys.prefix == sys.base_prefix and os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")))'; \
 	then echo $(SYSTEM_PY); else echo .venv/bin/python; fi)
 
-.PHONY: setup demo test lint bench gpu-check-prepare gpu-check
+.PHONY: setup demo test quick lint bench gpu-check-prepare gpu-check
 
 # torch first, pinned: a bare `torch` requirement can pull a multi-GB CUDA build where a CPU one will do.
 setup: $(if $(filter .venv/bin/python,$(PY)),.venv/bin/python)
@@ -38,6 +38,12 @@ demo: setup
 TEST_WORKERS ?= 2
 test:
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+
+# The inner loop: every test but the slow ones (a worker, server or cluster process, the real model, fault
+# injection: tests/conftest.py marks them), on the same 2 processes; under two minutes on a 2-core machine.
+# tests/README.md says which folder holds what.
+quick:
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow" $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
 lint:
 	$(PY) -m ruff check .

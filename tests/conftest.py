@@ -254,3 +254,16 @@ def pytest_report_header(config) -> list[str]:
         attention = "AMX tiles" if torch.ops.pagedq.decode_uses_amx() else "AVX-512 lanes" if "avx512f" in flags else "torch"
         lines.append(f"cpu kernels: linears {linear}; bfloat16 attention on {attention}")
     return lines
+
+
+# ---- the quick loop: `pytest -m "not slow"` (`make quick`) ----
+# A test that starts a worker, a server or a cluster, or loads the real model, takes seconds: it is slow by what
+# it uses, so a new one is marked without anyone remembering to. Other slow tests carry @pytest.mark.slow.
+SLOW_FIXTURES = {"start_worker", "start_serve", "redis_cluster", "cluster_queues", "smollm2", "dashboard",
+                 "prometheus", "sentinels"}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if SLOW_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)

@@ -160,7 +160,7 @@ def test_a_failed_section_fails_the_run_and_the_others_still_run(tmp_path, monke
     def boom(*a, **kw):
         raise RuntimeError("broken on purpose")
 
-    monkeypatch.setattr(gpu_check, "check_kernels", boom)
+    monkeypatch.setattr(gpu_check.command, "check_kernels", boom)  # where run() finds it
     path = tmp_path / "deep" / "g.json"
     said = []
     status = gpu_check.run(str(path), "cpu", ["bandwidth", "kernels"], echo=said.append)
@@ -248,7 +248,7 @@ def test_graphs_section_on_cpu(tiny_model, monkeypatch):
                     "host_sync": "called a synchronizing CUDA operation", "where": ["engine/x.py:1 in f"]}
         return real(engine, batch, steps, device, check_sync)
 
-    monkeypatch.setattr(gpu_check, "steady", steady)
+    monkeypatch.setattr(gpu_check.graphs, "steady", steady)
     out = gpu_check.graph_check("cpu", gpu_check.Budget(600), tiny_model("llama"), smoke=True)
     assert [e["ok"] for e in out["equality"]] == [True] and out["equality"][0]["divergences"] == []
     assert out["status"] == "failed" and "host sync in the steady decode loop (graphs, batch 1)" in out["failures"][0]
@@ -301,7 +301,7 @@ def test_prepare_writes_a_small_folder_that_runs_without_the_model_package(tiny_
     # cache (minutes) in a process that has not loaded them yet (one of pytest-xdist's, or this test alone).
     monkeypatch.setenv(build.ROOT_ENV, str(build.default_root(cache_root())))
     monkeypatch.setenv("PAGEDQ_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(gpu_check, "resolve_model", lambda model: tiny)
+    monkeypatch.setattr(gpu_check.models, "resolve_model", lambda model: tiny)
     # The tiny model that prepare writes takes SmolLM2's tokenizer from there too: the empty cache would otherwise
     # convert the real model's GGUF first (half a minute) for its tokenizer alone.
     monkeypatch.setattr(bench.random_model, "resolve_model", lambda model: tiny)

@@ -16,7 +16,8 @@ import math
 
 import numpy as np
 
-from bench.gpu_check import ROTATE_BYTES, TOL, Budget, _tail, per_call, sweep
+from bench.gpu_check.bandwidth import ROTATE_BYTES, per_call
+from bench.gpu_check.common import TOL, Budget, _sync, _tail, sweep
 
 # (name, bits, block, scales exact in float16): Q4_0/Q8_0-like keep float16 scales, K-quant-like float32 ones
 LAYOUTS = [("Q4_0-like", 4, 32, True), ("Q4_K-like", 4, 32, False), ("Q8_0-like", 8, 32, True),
@@ -45,7 +46,6 @@ def _case(device: str, layout: tuple, dtype_name: str, rows: int, n: int, k: int
     import torch
     import torch.nn.functional as F
 
-    from bench.gpu_check import _sync
     from kernels import triton_quant
 
     name, bits, block, exact16 = layout
