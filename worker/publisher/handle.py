@@ -201,5 +201,6 @@ def extra(at: int, out: RequestOutput) -> messages.Extra:
     """What the output at column `at` of a step says beyond its tokens. Its text only where the engine decoded it
     (stop strings): a deferred one is decoded by the process, which leaves out a hidden stop token as told."""
     logprobs = out.logprobs and [(lp, list(top.items())) for lp, top in out.logprobs]
-    return messages.Extra(at, None if out.text_deferred else out.new_text, out.finish_reason, logprobs,
-                 out.text_deferred and out.hidden_stop, out.index, out.request_finished, out.cumulative_logprob)
+    text = None if out.text_deferred else out.new_text
+    return messages.Extra(at, text, out.finish_reason, logprobs, out.text_deferred and out.hidden_stop, out.index,
+                          out.request_finished, out.cumulative_logprob)

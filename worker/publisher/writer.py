@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import redis as redis_lib
 
@@ -28,7 +28,28 @@ from worker.publisher.job_view import FINISH, JobView, StepOutput
 log = logging.getLogger("pagedq.worker")
 
 _STOP = object()
-_MARK = "mark"  # an inbox item (_MARK, n): everything before it written, on_flushed(n) is called
+
+
+# The writer's inbox, in order: steps, jobs that end otherwise, marks.
+
+class _Step(NamedTuple):
+    outputs: list[StepOutput]  # finished ones end their job
+    now: float
+
+
+class _JobEnd(NamedTuple):
+    """A job the engine no longer runs: kind "end" (with its final status), "fail" or "release" (with its mode)."""
+
+    view: JobView
+    kind: str
+    status: str  # end: the final status; release: the mode; fail: "failed"
+    finish_reason: str | None  # end only
+    error: ErrorInfo | None  # the result's error (release: the reason given to the queue)
+    at: float
+
+
+class _Mark(NamedTuple):
+    n: int  # on_flushed(n) once everything before it is written
 
 
 class WriterMetrics(Protocol):
@@ -76,24 +97,26 @@ class RedisWriter(threading.Thread):
 
     def step(self, outputs: list[StepOutput], now: float) -> None:
         """One engine step's outputs; finished ones end their job."""
-        self.inbox.put(("step", outputs, now))
+        self.inbox.put(_Step(outputs, now))
 
     def end(self, view: JobView, status: str, finish_reason: str, why: str = "") -> None:
         """End a job the engine no longer runs (cancelled, expired, shut down) with its output so far; `why`, if
         given, is the result's error message (its type: the status)."""
-        self.inbox.put(("end", view, status, finish_reason, time.time(), why))
+        error = ErrorInfo(type=status, message=why) if why else None
+        self.inbox.put(_JobEnd(view, "end", status, finish_reason, error, time.time()))
 
     def fail(self, view: JobView, type: str, message: str) -> None:
-        self.inbox.put(("fail", view, ErrorInfo(type=type, message=message), time.time()))
+        self.inbox.put(_JobEnd(view, "fail", wire.FAILED, None, ErrorInfo(type=type, message=message), time.time()))
 
     def release(self, view: JobView, mode: str, type: str = "", message: str = "") -> None:
         """Give a job back to the queue: "handback" (draining) or "retry" (it failed; dead-lettered once it
         used up its attempts)."""
-        self.inbox.put(("release", view, mode, ErrorInfo(type=type or mode, message=message or mode), time.time()))
+        error = ErrorInfo(type=type or mode, message=message or mode)
+        self.inbox.put(_JobEnd(view, "release", mode, None, error, time.time()))
 
     def mark(self, n: int) -> None:
         """Call on_flushed(n) once everything handed over before this is written."""
-        self.inbox.put((_MARK, n))
+        self.inbox.put(_Mark(n))
 
     def close(self, timeout: float = 30.0) -> None:
         """Write what is queued, then stop. Redis errors are retried until `timeout` runs out."""
@@ -118,9 +141,9 @@ class RedisWriter(threading.Thread):
             if _STOP in batch:
                 stop = True
                 batch = [b for b in batch if b is not _STOP]
-            marks = [op[1] for op in batch if op[0] == _MARK]
+            marks = [op.n for op in batch if isinstance(op, _Mark)]
             if marks:
-                batch = [op for op in batch if op[0] != _MARK]
+                batch = [op for op in batch if not isinstance(op, _Mark)]
             if batch or self.healer.unconfirmed:
                 self._flush_until_written(batch)
             for n in marks:  # a mark came after everything in this batch: all of it is written now
@@ -156,16 +179,16 @@ class RedisWriter(threading.Thread):
 
     def _settle(self, batch: list) -> None:
         # Items never written still count as pending acks: release them, or intake would stall.
-        n = sum(1 for op in batch if op[0] != "step") + sum(
-            1 for op in batch if op[0] == "step" for out in op[1] if out.ends_job)
+        n = sum(1 for op in batch if isinstance(op, _JobEnd)) + sum(
+            1 for op in batch if isinstance(op, _Step) for out in op.outputs if out.ends_job)
         self.on_settled(n)
 
     def flush(self, batch: list) -> None:
         chunks: list[tuple[JobView, calls.Chunk]] = []
         ends: list[End] = []
         for op in batch:
-            if op[0] == "step":
-                self._step_calls(op[1], op[2], chunks, ends)
+            if isinstance(op, _Step):
+                self._step_calls(op.outputs, op.now, chunks, ends)
             else:
                 ends.append(self._end_call(op))
         ends += self.healer.unconfirmed
@@ -204,22 +227,18 @@ class RedisWriter(threading.Thread):
                 self.healer.sent(view, chunk)
                 chunks.append((view, chunk))
 
-    def _end_call(self, op: tuple) -> End:
-        kind, view = op[0], op[1]
-        job = view.job
-        if kind == "end":
-            _, _, status, reason, now, why = op
-            res = view.result(status, self.worker_id, self.model, now, reason,
-                              error=ErrorInfo(type=status, message=why) if why else None)
-            return End(view, status, calls.complete(self.keys, job.delivery, status, res.model_dump_json(), self.ttl,
-                                                    tokens=view.emitted))
-        if kind == "release":
-            _, _, mode, err, _ = op
-            return End(view, "released", calls.release(self.keys, job.delivery, self.settings, mode, err.type,
+    def _end_call(self, op: _JobEnd) -> End:
+        view, err = op.view, op.error
+        delivery = view.job.delivery
+        if op.kind == "release":
+            return End(view, "released", calls.release(self.keys, delivery, self.settings, op.status, err.type,
                                                        err.message))
-        _, _, err, now = op
-        res = view.result(wire.FAILED, self.worker_id, self.model, now, "error", error=err)
-        return End(view, wire.FAILED, calls.fail(self.keys, job.delivery, res.model_dump_json(), self.ttl))
+        if op.kind == "end":
+            res = view.result(op.status, self.worker_id, self.model, op.at, op.finish_reason, error=err)
+            return End(view, op.status, calls.complete(self.keys, delivery, op.status, res.model_dump_json(),
+                                                       self.ttl, tokens=view.emitted))
+        res = view.result(wire.FAILED, self.worker_id, self.model, op.at, "error", error=err)
+        return End(view, wire.FAILED, calls.fail(self.keys, delivery, res.model_dump_json(), self.ttl))
 
     def _read_acks(self, views: list[JobView], acks) -> None:
         if isinstance(acks, Exception):
