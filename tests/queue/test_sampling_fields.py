@@ -30,7 +30,7 @@ from serve.errors import APIError
 from serve.translate import parse
 from worker.validate import sampling_params
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TABLE = "producer/sampling_fields.py"
 JS = ROOT / "clients" / "js"
 
