@@ -106,20 +106,21 @@ def _follow(down: Connection, writer: RedisWriter, tokenizer, batch: list) -> No
         for value in batch:
             try:
                 msg = messages.decode(value)
-                if isinstance(msg, messages.Stop):
-                    break
-                _handle(msg, writer, views, tokenizer)
             except Exception:  # one bad message must not stop the others' results
-                log.exception("publisher: could not handle a %r message", value[0])
-        else:
-            try:
-                batch = json.loads(down.recv_bytes())
-            except (EOFError, OSError):  # the worker is gone: write what it handed over, briefly
-                writer.close(PARENT_GONE_TIMEOUT_S)
+                log.exception("publisher: could not decode a %r message", value[0])
+                continue
+            if isinstance(msg, messages.Stop):
+                writer.close(msg.timeout)
                 return
-            continue
-        writer.close(msg.timeout)
-        return
+            try:
+                _handle(msg, writer, views, tokenizer)
+            except Exception:
+                log.exception("publisher: could not handle a %r message", value[0])
+        try:
+            batch = json.loads(down.recv_bytes())
+        except (EOFError, OSError):  # the worker is gone: write what it handed over, briefly
+            writer.close(PARENT_GONE_TIMEOUT_S)
+            return
 
 
 def _connect(setup: messages.Setup):
