@@ -37,6 +37,7 @@ def beams(width: int, max_tokens: int, with_eos: bool, **kw) -> SamplingParams:
                           ignore_eos=not with_eos, **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("width", [2, 4])
 def test_beams_equal_transformers(tiny_model, arch, width):
@@ -71,6 +72,7 @@ def test_fewer_returned_than_beams_are_the_best(tiny_model):
     assert out.choices[0].score >= out.choices[1].score
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
 def test_beams_on_every_backend(tiny_model, backend):
     """The block copies run as each backend's op (C++ memcpy, a Triton kernel)."""

@@ -307,6 +307,7 @@ def test_models_layers_reports_the_format(checkpoints, quant_path):
     assert "GPTQ 4-bit g128" in result.output and "8 layers GPTQ 4-bit g128" in result.output
 
 
+@pytest.mark.slow
 def test_int4_at_load_runs_its_rounding_and_stays_near_float(bases, quant_path, tmp_path):
     """int4 made at load runs exactly its own rounding (the model with those weights as floats, up to the int8
     rounding of activations), and stays near the float model (random weights: the hardest case for 4 bits)."""

@@ -10,6 +10,7 @@ pytestmark = pytest.mark.engine(max_num_batched_tokens=128)  # the `engine` fixt
 PROMPTS = ["The sea is", "Tell me about cats", "1, 2, 3,", "Hello", "Why is the sky blue?", "Paris"]
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(engine):
     p = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=1234)
     alone = engine.generate(["The sea is"], p)[0].token_ids
@@ -27,6 +28,7 @@ def test_different_seeds_differ_and_unseeded_runs_vary(engine):
     assert len(runs) > 1
 
 
+@pytest.mark.slow
 def test_seeded_sampling_survives_preemption(tiny_model):
     small = LLMEngine(EngineConfig(model=tiny_model("llama"), num_kv_blocks=8, block_size=8))
     big = LLMEngine(EngineConfig(model=tiny_model("llama")))

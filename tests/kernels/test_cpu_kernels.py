@@ -151,6 +151,7 @@ def test_without_a_compiler_auto_falls_back_and_cpu_says_why(tmp_path):
     assert "attention_backend='cpu' cannot run here" in got["explicit"] and "no-such-c++" in got["explicit"]
 
 
+@pytest.mark.slow
 def test_an_unwritable_cache_falls_back_too(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
