@@ -52,6 +52,7 @@ def test_beams_equal_transformers(tiny_model, arch, width):
     assert engine.num_free_blocks == engine.num_total_blocks
 
 
+@pytest.mark.slow
 def test_length_penalty_and_early_stopping_mean_what_transformers_means(tiny_model):
     path = tiny_model("llama")
     engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=96, attention_backend="torch"))
@@ -85,6 +86,7 @@ def test_beams_on_every_backend(tiny_model, backend):
         [c.token_ids for c in ref.generate([PROMPT], params)[0].choices]
 
 
+@pytest.mark.slow
 def test_beams_under_preemption(tiny_model):
     """Three beam groups and a sampling group in a pool that cannot hold them all: groups are preempted whole,
     recomputed, and still give transformers' beams."""

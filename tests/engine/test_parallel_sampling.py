@@ -34,6 +34,7 @@ def llama(tiny_model):
     return tiny_model("llama")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_seeded_continuations_equal_single_requests(llama, backend):
     engine = LLMEngine(EngineConfig(model=llama, num_kv_blocks=64, attention_backend=backend))
@@ -43,6 +44,7 @@ def test_seeded_continuations_equal_single_requests(llama, backend):
     assert engine.num_free_blocks == engine.num_total_blocks
 
 
+@pytest.mark.slow
 def test_broken_copy_on_write_is_caught(llama):
     """With the copy before a write into a shared block skipped, the continuations overwrite each other's KV in
     the prompt's last block: the equivalence above must fail, or it proves nothing."""
@@ -98,6 +100,7 @@ def test_best_of_returns_the_n_most_likely(llama):
     assert engine.num_free_blocks == engine.num_total_blocks
 
 
+@pytest.mark.slow
 def test_streamed_continuations_report_as_they_come(llama):
     engine = LLMEngine(EngineConfig(model=llama, num_kv_blocks=64, attention_backend="torch"))
     engine.add_request("g", prompt_token_ids=PROMPT, params=sampled(2, n=3))

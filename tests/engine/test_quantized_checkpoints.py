@@ -248,6 +248,7 @@ def test_gptq_8_bit_and_missing_g_idx():
     assert groups.blocks().bits == 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant,arch", [
     ("awq-g64", "llama"), ("gptq-sym-g128", "llama"), ("gptq-asym-g32-v2", "llama"), ("gptq-asym-g64-v1", "llama"),
     ("gptq-per-channel", "llama"),
@@ -367,6 +368,7 @@ def test_bad_configs_name_the_field(qc, field):
         scheme(SimpleNamespace(quantization_config=qc))
 
 
+@pytest.mark.slow
 def test_bad_checkpoints_fail_clearly(checkpoints, tmp_path):
     from safetensors.numpy import load_file, save_file
 

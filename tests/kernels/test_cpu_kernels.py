@@ -145,6 +145,7 @@ def probe(build_root: Path, **env: str) -> tuple[dict, str]:
     return json.loads(out.stdout), out.stderr
 
 
+@pytest.mark.slow
 def test_without_a_compiler_auto_falls_back_and_cpu_says_why(tmp_path):
     got, log = probe(tmp_path / "fresh", CXX="no-such-c++")
     assert got["auto_is_torch"] and "no C++ compiler ('no-such-c++')" in log

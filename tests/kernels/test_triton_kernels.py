@@ -54,6 +54,7 @@ def test_kernels_match_torch(heads, d, bs, dtype, kind):
     assert rel_err(out, oracle(b)) < TOL[dtype]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("segments", [2, 5, 16])
 def test_split_k_decode_matches_torch(segments):
     b = random_batch(8, 2, 64, 16, [(300, 1), (5, 1), (129, 1)], torch.float32)
@@ -68,6 +69,7 @@ def test_split_k_is_for_decode_only():
         attend(triton_ops, b, segments=2)
 
 
+@pytest.mark.slow
 def test_split_k_uses_no_more_segments_than_the_longest_context_fills():
     # Short contexts behind a wide block table (a graph's decode batch): the launch's segments come from shapes,
     # but only the first does work, and no merge reads the others' slots.

@@ -239,6 +239,7 @@ def test_parallel_workload_compares_shared_with_unshared(tmp_path, tiny_model):
     assert len(data["targets"]) == 4 and "target n=8: throughput vs unshared" in r.output
 
 
+@pytest.mark.slow
 def test_json_workload_compares_constrained_with_unconstrained(tmp_path, tiny_model):
     """`pagedq bench -w json --quick` on a tiny model: the three runs, every constrained output parsed, the compile
     and mask timings there, the JSON written."""

@@ -34,6 +34,7 @@ def test_cli_without_gpu_says_so_and_fails(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_module_runs_without_redis_or_click(tmp_path):
     # The GPU machine has torch, triton and transformers; maybe neither redis nor click.
     code = (
@@ -237,6 +238,7 @@ def test_steady_reports_a_host_sync_and_other_errors_propagate():
     assert len(where) == 1 and where[0].startswith("engine/config.py:") and where[0].endswith("in __post_init__")
 
 
+@pytest.mark.slow
 def test_graphs_section_on_cpu(tiny_model, monkeypatch):
     # Two CPU engines (eager both: graphs need CUDA) through the whole section; one steady loop "catches" a host
     # sync: the section fails with the op's message and where, and still measures that batch on a fresh engine.
