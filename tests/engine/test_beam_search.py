@@ -37,6 +37,7 @@ def beams(width: int, max_tokens: int, with_eos: bool, **kw) -> SamplingParams:
                           ignore_eos=not with_eos, **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("width", [2, 4])
 def test_beams_equal_transformers(tiny_model, arch, width):
@@ -51,6 +52,7 @@ def test_beams_equal_transformers(tiny_model, arch, width):
     assert engine.num_free_blocks == engine.num_total_blocks
 
 
+@pytest.mark.slow
 def test_length_penalty_and_early_stopping_mean_what_transformers_means(tiny_model):
     path = tiny_model("llama")
     engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=96, attention_backend="torch"))
@@ -71,6 +73,7 @@ def test_fewer_returned_than_beams_are_the_best(tiny_model):
     assert out.choices[0].score >= out.choices[1].score
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
 def test_beams_on_every_backend(tiny_model, backend):
     """The block copies run as each backend's op (C++ memcpy, a Triton kernel)."""
@@ -83,6 +86,7 @@ def test_beams_on_every_backend(tiny_model, backend):
         [c.token_ids for c in ref.generate([PROMPT], params)[0].choices]
 
 
+@pytest.mark.slow
 def test_beams_under_preemption(tiny_model):
     """Three beam groups and a sampling group in a pool that cannot hold them all: groups are preempted whole,
     recomputed, and still give transformers' beams."""

@@ -40,6 +40,7 @@ def _greedy(engine, n=12):
     return [o.token_ids for o in outs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])  # qwen2: biased qkv; qwen3: q/k norms
 def test_prepacked_weights_give_the_same_tokens(tiny_model, arch, dtype):
@@ -84,6 +85,7 @@ def test_layers_the_panels_do_not_fit_go_to_onednn():
     torch.testing.assert_close(mixed["wide"](x), want, rtol=2**-7, atol=1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _bf16_units(), reason="no bfloat16 matmul units on this CPU: bfloat16 is emulated")
 def test_bfloat16_stays_close_to_float32():
     """On a real model: the first token's choice and log-probability barely move from float32 to bfloat16."""

@@ -69,6 +69,7 @@ def count_padded_steps(engine) -> list[int]:
     return sizes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_padded_decode_gives_the_same_tokens(tiny_model, backend):
     path = tiny_model("llama")

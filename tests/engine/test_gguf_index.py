@@ -55,6 +55,7 @@ def test_a_written_file_reads_as_the_gguf_reader_reads_it(tmp_path, alignment):
                                   gguf.quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0))
 
 
+@pytest.mark.slow
 def test_the_shipped_smollm2_file():
     from engine.weights.loader import gguf_source
 

@@ -93,6 +93,7 @@ def test_overlap_is_off_on_a_cpu_unless_asked(pq_tiny_model):
     assert LLMEngine(EngineConfig(model=pq_tiny_model, num_kv_blocks=16)).overlap is False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("blocks", [64, 14], ids=["roomy", "preempting"])
 def test_overlapped_steps_give_the_same_outputs(pq_tiny_model, blocks):
     requests = mixed_requests(pq_tiny_model)
@@ -133,6 +134,7 @@ def ahead_requests(path: str) -> list[tuple[int, str, SamplingParams]]:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("blocks", [96, 10], ids=["roomy", "preempting"])
 @pytest.mark.parametrize("padded", [False, True], ids=["eager", "padded"])
 def test_steps_scheduled_ahead_give_the_same_outputs(pq_tiny_model, blocks, padded):
@@ -196,6 +198,7 @@ def test_a_request_aborted_while_its_step_runs_gets_no_more_outputs(pq_tiny_mode
     assert engine.num_free_blocks == engine.num_total_blocks
 
 
+@pytest.mark.slow
 def test_a_worker_serves_overlapped_steps(redis_url, queue, pq_tiny_model):
     from producer import Client
     from worker.worker import Worker, WorkerConfig
@@ -219,6 +222,7 @@ def test_a_worker_serves_overlapped_steps(redis_url, queue, pq_tiny_model):
         loop.join(30)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
 def test_steady_decode_inputs_equal_a_full_build(pq_tiny_model, overlap):
     """A decode step of the same sequences as the step before carries positions and table rows over from it; what

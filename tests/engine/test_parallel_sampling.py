@@ -34,6 +34,7 @@ def llama(tiny_model):
     return tiny_model("llama")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_seeded_continuations_equal_single_requests(llama, backend):
     engine = LLMEngine(EngineConfig(model=llama, num_kv_blocks=64, attention_backend=backend))
@@ -43,6 +44,7 @@ def test_seeded_continuations_equal_single_requests(llama, backend):
     assert engine.num_free_blocks == engine.num_total_blocks
 
 
+@pytest.mark.slow
 def test_broken_copy_on_write_is_caught(llama):
     """With the copy before a write into a shared block skipped, the continuations overwrite each other's KV in
     the prompt's last block: the equivalence above must fail, or it proves nothing."""
@@ -77,6 +79,7 @@ def test_the_prompt_is_prefilled_once_and_its_blocks_shared(llama):
     assert sum(prefilled) == len(PROMPT)
 
 
+@pytest.mark.slow
 def test_best_of_returns_the_n_most_likely(llama):
     engine = LLMEngine(EngineConfig(model=llama, num_kv_blocks=64, attention_backend="torch"))
     for i in range(5):
@@ -97,6 +100,7 @@ def test_best_of_returns_the_n_most_likely(llama):
     assert engine.num_free_blocks == engine.num_total_blocks
 
 
+@pytest.mark.slow
 def test_streamed_continuations_report_as_they_come(llama):
     engine = LLMEngine(EngineConfig(model=llama, num_kv_blocks=64, attention_backend="torch"))
     engine.add_request("g", prompt_token_ids=PROMPT, params=sampled(2, n=3))
@@ -112,6 +116,7 @@ def test_streamed_continuations_report_as_they_come(llama):
     assert "g" not in engine.scheduler.by_id
 
 
+@pytest.mark.slow
 def test_best_of_and_beams_say_nothing_until_the_end(llama):
     engine = LLMEngine(EngineConfig(model=llama, num_kv_blocks=64, attention_backend="torch"))
     engine.add_request("b", prompt_token_ids=PROMPT, params=sampled(2, n=1, best_of=3))
@@ -127,6 +132,7 @@ def test_best_of_and_beams_say_nothing_until_the_end(llama):
         assert mine[-1].request_finished and all(o.new_token_ids == o.token_ids for o in mine)
 
 
+@pytest.mark.slow
 def test_a_group_under_preemption_gives_the_same_continuations(llama):
     """A pool too small for everything at once: groups are preempted whole and recomputed, and every
     continuation still equals its single-request equivalent; the block accounting holds after every step."""
@@ -145,6 +151,7 @@ def test_a_group_under_preemption_gives_the_same_continuations(llama):
         assert [c.token_ids for c in final[f"r{i}"].choices] == [w for w in want[i]]
 
 
+@pytest.mark.slow
 def test_resume_goes_on_from_every_continuation(llama):
     engine = LLMEngine(EngineConfig(model=llama, num_kv_blocks=64, attention_backend="torch"))
     [whole] = engine.generate([PROMPT], sampled(4, n=3, max_tokens=10))

@@ -40,6 +40,7 @@ def check(engine, path, prompts, max_tokens):
     assert engine.num_free_blocks == engine.num_total_blocks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_tiny_models_match_transformers(tiny_model, arch):
     path = tiny_model(arch)
@@ -47,6 +48,7 @@ def test_tiny_models_match_transformers(tiny_model, arch):
     check(engine, path, PROMPTS, 32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_tiny_models_match_under_preemption(tiny_model, arch):
     path = tiny_model(arch)
@@ -57,6 +59,7 @@ def test_tiny_models_match_under_preemption(tiny_model, arch):
     assert preempted
 
 
+@pytest.mark.slow
 def test_prefix_cache_hits_change_nothing(tiny_model):
     path = tiny_model("llama")
     engine = LLMEngine(EngineConfig(model=path, block_size=4))

@@ -197,6 +197,7 @@ def small_engine(model: str, overlap: bool = False, **kw) -> LLMEngine:
                                      "attention_backend": "torch", "overlap_steps": overlap, **kw}))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True])
 def test_an_urgent_request_joins_a_full_batch_at_once_and_changes_no_output(llama, overlap):
     engine = small_engine(llama, overlap)

@@ -249,6 +249,7 @@ def test_gptq_8_bit_and_missing_g_idx():
     assert groups.blocks().bits == 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant,arch", [
     ("awq-g64", "llama"), ("gptq-sym-g128", "llama"), ("gptq-asym-g32-v2", "llama"), ("gptq-asym-g64-v1", "llama"),
     ("gptq-per-channel", "llama"),
@@ -308,6 +309,7 @@ def test_models_layers_reports_the_format(checkpoints, quant_path):
     assert "GPTQ 4-bit g128" in result.output and "8 layers GPTQ 4-bit g128" in result.output
 
 
+@pytest.mark.slow
 def test_int4_at_load_runs_its_rounding_and_stays_near_float(bases, quant_path, tmp_path):
     """int4 made at load runs exactly its own rounding (the model with those weights as floats, up to the int8
     rounding of activations), and stays near the float model (random weights: the hardest case for 4 bits)."""
@@ -367,6 +369,7 @@ def test_bad_configs_name_the_field(qc, field):
         scheme(SimpleNamespace(quantization_config=qc))
 
 
+@pytest.mark.slow
 def test_bad_checkpoints_fail_clearly(checkpoints, tmp_path):
     from safetensors.numpy import load_file, save_file
 

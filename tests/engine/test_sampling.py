@@ -10,6 +10,7 @@ pytestmark = pytest.mark.engine(max_num_batched_tokens=128)  # the `engine` fixt
 PROMPTS = ["The sea is", "Tell me about cats", "1, 2, 3,", "Hello", "Why is the sky blue?", "Paris"]
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(engine):
     p = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=1234)
     alone = engine.generate(["The sea is"], p)[0].token_ids
@@ -19,6 +20,7 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(engine):
     assert engine.generate(["The sea is"], p)[0].token_ids == alone
 
 
+@pytest.mark.slow
 def test_different_seeds_differ_and_unseeded_runs_vary(engine):
     a = engine.generate(["Hello"], SamplingParams(max_tokens=16, temperature=1.0, seed=1))[0].token_ids
     b = engine.generate(["Hello"], SamplingParams(max_tokens=16, temperature=1.0, seed=2))[0].token_ids
@@ -27,6 +29,7 @@ def test_different_seeds_differ_and_unseeded_runs_vary(engine):
     assert len(runs) > 1
 
 
+@pytest.mark.slow
 def test_seeded_sampling_survives_preemption(tiny_model):
     small = LLMEngine(EngineConfig(model=tiny_model("llama"), num_kv_blocks=8, block_size=8))
     big = LLMEngine(EngineConfig(model=tiny_model("llama")))
@@ -36,6 +39,7 @@ def test_seeded_sampling_survives_preemption(tiny_model):
     ]
 
 
+@pytest.mark.slow
 def test_top_k_one_is_greedy(engine):
     greedy = engine.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0))
     topk = engine.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=1.5, top_k=1, seed=3))
@@ -82,6 +86,7 @@ def test_stop_string_across_tokens_is_cut_from_the_text(engine):
     assert stop not in o.text
 
 
+@pytest.mark.slow
 def test_ignore_eos(tiny_model):
     engine = LLMEngine(EngineConfig(model=tiny_model("llama")))
     engine.eos_token_ids = set(range(engine.vocab_size))  # every token is "EOS"
@@ -90,6 +95,7 @@ def test_ignore_eos(tiny_model):
     assert len(o.token_ids) == 5
 
 
+@pytest.mark.slow
 def test_penalties_change_the_output(engine):
     base = engine.generate(["1, 2, 3,"], SamplingParams(max_tokens=24, temperature=0))[0].token_ids
     rep = engine.generate(["1, 2, 3,"], SamplingParams(max_tokens=24, temperature=0, repetition_penalty=2.0))[0]

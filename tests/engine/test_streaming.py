@@ -92,6 +92,7 @@ def _collect(engine, prompt, params):
     return outs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", ["请用中文写一首关于大海的诗。", "Tell me a story about a dragon."])
 def test_deferred_text_is_the_same_whoever_reads_it_and_in_what_order(engine, prompt):
     """Without stop strings the step only records tokens; the text of each step must not depend on when, in

@@ -42,6 +42,7 @@ def constrained(kind, spec, **kw) -> SamplingParams:
     return SamplingParams(constraint=Constraint(kind, spec), **kw)
 
 
+@pytest.mark.slow
 def test_a_hundred_outputs_of_a_nested_schema_validate(engine):
     params = [constrained("json_schema", SCHEMA, temperature=0 if i % 4 == 0 else 1.0, seed=i) for i in range(100)]
     prompts = [f"Describe pet number {i}." for i in range(100)]
@@ -113,6 +114,7 @@ def test_several_continuations_each_fit(engine):
     assert all(c.text in CHOICES for c in best.choices)
 
 
+@pytest.mark.slow
 def test_preempted_and_resumed_requests_keep_their_constraint(tiny_model):
     from engine import LLMEngine
 

@@ -46,6 +46,7 @@ def make(path: str, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(**(cfg | kw)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("padded", [False, True], ids=["eager", "padded"])
 def test_no_launch_waits_for_the_device(tiny_model, padded):
     engine = make(tiny_model("llama"))
@@ -59,6 +60,7 @@ def test_no_launch_waits_for_the_device(tiny_model, padded):
     assert tokens == [o.token_ids for o in reference]  # staged copies change nothing in what runs
 
 
+@pytest.mark.slow
 def test_the_tracer_catches_what_would_wait(tiny_model):
     engine = make(tiny_model("llama"))
     # The step loop as it was: a per-row setting made from a Python list on the device, and the sampled rows picked

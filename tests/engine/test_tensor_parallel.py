@@ -44,6 +44,7 @@ def run_scenarios(engine: LLMEngine, full: bool) -> tuple[list, list, int]:
 
 # The scenarios run on one model in full; the others check what their architecture adds to the sharding. qwen2's
 # ranks run as two nodes on loopback: rank 1 is `pagedq worker --node-rank 1`, as on a second host.
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,kv_heads,full,nodes", [("llama", 2, True, 1), ("llama", 1, False, 1),
                                                       ("mistral", 2, False, 1), ("qwen2", 2, False, 2),
                                                       ("qwen3", 2, False, 1)])
@@ -85,6 +86,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not engine_config.cpu_has_bf16(), reason="no bfloat16 matmul units on this CPU: bfloat16 is emulated")
 def test_two_ranks_in_bfloat16_stay_close_to_one_device(tiny_model):
     """bfloat16 sums the two ranks' halves of o_proj and down in another order than one device does, so tokens may

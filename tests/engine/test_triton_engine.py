@@ -22,6 +22,7 @@ def greedy(engine, prompts, max_tokens):
     return outs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_same_tokens_under_preemption(tiny_model, arch):
     path = tiny_model(arch)
@@ -34,6 +35,7 @@ def test_same_tokens_under_preemption(tiny_model, arch):
     assert preempted
 
 
+@pytest.mark.slow
 def test_same_tokens_with_prefix_cache_hits(tiny_model):
     path = tiny_model("llama")
     system = "You are a helpful assistant who answers in one sentence. " * 2

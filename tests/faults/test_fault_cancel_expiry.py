@@ -53,6 +53,7 @@ def test_cancel_queued_and_running(redis_url, queue, rds, inproc):
     assert rds.xlen(c.keys.jobs) == 0
 
 
+@pytest.mark.slow
 def test_expiry_queued_and_running(redis_url, queue, rds, inproc):
     c = Client(redis_url, queue=queue)
     # Four long jobs fill the batch past their deadline; the fifth expires while it waits behind them.

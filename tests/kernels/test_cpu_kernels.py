@@ -145,12 +145,14 @@ def probe(build_root: Path, **env: str) -> tuple[dict, str]:
     return json.loads(out.stdout), out.stderr
 
 
+@pytest.mark.slow
 def test_without_a_compiler_auto_falls_back_and_cpu_says_why(tmp_path):
     got, log = probe(tmp_path / "fresh", CXX="no-such-c++")
     assert got["auto_is_torch"] and "no C++ compiler ('no-such-c++')" in log
     assert "attention_backend='cpu' cannot run here" in got["explicit"] and "no-such-c++" in got["explicit"]
 
 
+@pytest.mark.slow
 def test_an_unwritable_cache_falls_back_too(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")

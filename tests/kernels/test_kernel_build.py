@@ -66,6 +66,7 @@ def compiling(session: int) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_a_build_killed_halfway_blocks_no_later_start(tmp_path, monkeypatch):
     if build.missing_tools():
         pytest.fail(f"CI machines can build the kernels: {build.missing_tools()}")

@@ -54,6 +54,7 @@ def test_kernels_match_torch(heads, d, bs, dtype, kind):
     assert rel_err(out, oracle(b)) < TOL[dtype]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("segments", [2, 5, 16])
 def test_split_k_decode_matches_torch(segments):
     b = random_batch(8, 2, 64, 16, [(300, 1), (5, 1), (129, 1)], torch.float32)
@@ -68,6 +69,7 @@ def test_split_k_is_for_decode_only():
         attend(triton_ops, b, segments=2)
 
 
+@pytest.mark.slow
 def test_split_k_uses_no_more_segments_than_the_longest_context_fills():
     # Short contexts behind a wide block table (a graph's decode batch): the launch's segments come from shapes,
     # but only the first does work, and no merge reads the others' slots.
@@ -91,6 +93,7 @@ def test_split_k_uses_no_more_segments_than_the_longest_context_fills():
     assert not ws[1][: 2 * 8 * triton_ops.MAX_SEGMENTS].view(16, -1)[:, 1].isnan().any()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("segments", [3, 16])
 def test_split_k_gives_padding_rows_zeros(segments):
     # A graph's padded decode batch with split-K: rows of length 0 read nothing and get zeros.
@@ -192,6 +195,7 @@ def test_backend_choice(monkeypatch):
             get_backend("auto", "cuda")
 
 
+@pytest.mark.slow
 def test_every_variant_compiles_for_hopper(tmp_path):
     # The interpreter accepts kernels that the compiler refuses; compile them for sm_90a as a launch specializes
     # them (no GPU needed), with the resource report: no variant may spill where the engine runs it.

@@ -185,6 +185,7 @@ def test_triton_backend_advertises_the_quantized_path():
     assert "quantized: triton" in backend.describe()
 
 
+@pytest.mark.slow
 def test_engine_int8_on_the_triton_backend(tiny_model, monkeypatch):
     """int8 weights kept quantized through the Triton kernel give the greedy tokens of the torch backend on the
     same weights dequantized to float32."""
@@ -218,6 +219,7 @@ def test_engine_int8_on_the_triton_backend(tiny_model, monkeypatch):
     assert [o.token_ids for o in engine.generate(prompts, params)] == want
 
 
+@pytest.mark.slow
 def test_every_variant_compiles_for_hopper(tmp_path):
     # The interpreter accepts what Hopper's compiler may refuse: compile every launch quant_linear makes (layouts,
     # dtypes, decode split or not, prefill with bias) for sm_90a as a launch specializes it; none may spill.

@@ -73,6 +73,7 @@ def test_single_stream_target_is_tpot_over_the_weight_copy_time():
     assert ratios([single], ["single"], {})[-1]["result"] == "n/a"  # no bandwidth measured
 
 
+@pytest.mark.slow
 def test_bench_command_smoke(tiny, tmp_path):
     from bench.cli import bench
 
@@ -112,6 +113,7 @@ def test_charts_are_written(tmp_path):
     assert all(p.stat().st_size > 1000 for p in paths)
 
 
+@pytest.mark.slow
 def test_overhead_workload_reports_every_phase(tmp_path):
     """`pagedq bench -w overhead` on its one-layer model, tiny sizes: every phase, both paths, JSON and chart."""
     from bench.overhead import HOST_PHASES, run_overhead
@@ -156,6 +158,7 @@ class LLM:
 '''
 
 
+@pytest.mark.slow
 def test_vllm_peer_runs_in_its_own_python(tiny, tmp_path, monkeypatch):
     """The vllm system: a subprocess under the Python the user names, on the same token ids and limits, its
     results in the table and the ratio targets; vLLM itself is stood in for, the plumbing is real."""
@@ -188,6 +191,7 @@ def test_vllm_peer_runs_in_its_own_python(tiny, tmp_path, monkeypatch):
     assert names["mixed: pagedq / vLLM"]["value"] > 0
 
 
+@pytest.mark.slow
 def test_vllm_missing_is_reported_not_fatal(tiny, tmp_path, monkeypatch):
     from bench.run import run_bench
 
@@ -216,6 +220,7 @@ def test_mfu_leaves_out_prompt_tokens_the_prefix_cache_served():
     assert run_flops(params, run) == model_flops(params, 600, 20)
 
 
+@pytest.mark.slow
 def test_parallel_workload_compares_shared_with_unshared(tmp_path, tiny_model):
     """`pagedq bench -w parallel --quick` on a tiny model: every case run both ways, the sharing visible in the
     peak blocks, the targets named, the JSON written."""
@@ -234,6 +239,7 @@ def test_parallel_workload_compares_shared_with_unshared(tmp_path, tiny_model):
     assert len(data["targets"]) == 4 and "target n=8: throughput vs unshared" in r.output
 
 
+@pytest.mark.slow
 def test_json_workload_compares_constrained_with_unconstrained(tmp_path, tiny_model):
     """`pagedq bench -w json --quick` on a tiny model: the three runs, every constrained output parsed, the compile
     and mask timings there, the JSON written."""
@@ -253,6 +259,7 @@ def test_json_workload_compares_constrained_with_unconstrained(tmp_path, tiny_mo
     assert all(m["fill"] > 0 and m["apply"] > 0 for m in data["mask_ms"].values())
 
 
+@pytest.mark.slow
 def test_fairness_workload_smoke(tiny, tmp_path):
     """`pagedq bench -w fairness` on a tiny model and a few jobs: every phase runs end to end and the JSON has each
     figure (the measurement itself is the benchmark's, not the suite's)."""

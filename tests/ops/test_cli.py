@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import redis
 from click.testing import CliRunner
 
@@ -121,6 +122,7 @@ def test_redis_command():
         assert p.wait(10) == 0
 
 
+@pytest.mark.slow
 def test_demo_on_tiny_model(pq_tiny_model):
     res = subprocess.run([sys.executable, "-m", "cli", "demo", "--model", pq_tiny_model, "--jobs", "3",
                           "--max-tokens", "4"], capture_output=True, text=True, timeout=300)

@@ -34,6 +34,7 @@ def test_cli_without_gpu_says_so_and_fails(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_module_runs_without_redis_or_click(tmp_path):
     # The GPU machine has torch, triton and transformers; maybe neither redis nor click.
     code = (
@@ -75,6 +76,7 @@ def test_usage_errors_and_the_default_out():
 # ---- kernels ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_kernels_section_on_cpu():
     out = gpu_check.check_kernels("cpu", gpu_check.Budget(600), smoke=True)
     assert out["status"] == "ok" and out["ok"], [c for c in out["cases"] if not c["ok"]]
@@ -236,6 +238,7 @@ def test_steady_reports_a_host_sync_and_other_errors_propagate():
     assert len(where) == 1 and where[0].startswith("engine/config.py:") and where[0].endswith("in __post_init__")
 
 
+@pytest.mark.slow
 def test_graphs_section_on_cpu(tiny_model, monkeypatch):
     # Two CPU engines (eager both: graphs need CUDA) through the whole section; one steady loop "catches" a host
     # sync: the section fails with the op's message and where, and still measures that batch on a fresh engine.
@@ -259,6 +262,7 @@ def test_graphs_section_on_cpu(tiny_model, monkeypatch):
     assert "graphs vs eager, float32: 12 of 12 requests equal" in text and "host sync, batch 1 graphs" in text
 
 
+@pytest.mark.slow
 def test_e2e_section_on_cpu(tiny_model):
     out = gpu_check.end_to_end("cpu", gpu_check.Budget(600), tiny_model("llama"), smoke=True)
     assert out["status"] == "ok", out["errors"]
@@ -269,6 +273,7 @@ def test_e2e_section_on_cpu(tiny_model):
     assert "target | measured | met" in gpu_check.table(data)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_section_on_cpu(tiny_model, tmp_path):
     # Two gloo ranks on the CPU stand in for two GPUs: the same requests, token for token, and the steps/s of both.
     out = gpu_check.tensor_parallel_check("cpu", gpu_check.Budget(600), tiny_model("llama"), smoke=True, size=2)
@@ -289,6 +294,7 @@ def test_tensor_parallel_section_on_cpu(tiny_model, tmp_path):
 # ---- the offline GPU machine -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_prepare_writes_a_small_folder_that_runs_without_the_model_package(tiny_model, tmp_path, monkeypatch):
     # --prepare copies the default model's config and tokenizer (here the tiny model's, to stay fast) and builds a
     # tiny model; --model <that folder> then makes random weights of its shape, once, in the pagedq cache.

@@ -46,6 +46,7 @@ def _jobs(n: int, prefix: str, **fields) -> list[JobRequest]:
             for i in range(n)]
 
 
+@pytest.mark.slow
 def test_interactive_jobs_go_before_a_queued_batch(redis_url, queue, inproc):
     eng, thread = inproc(max_num_seqs=8)
     preempted = record_preemptions(eng)
@@ -66,6 +67,7 @@ def test_interactive_jobs_go_before_a_queued_batch(redis_url, queue, inproc):
     assert all(r.status == "completed" and len(r.token_ids) == 4 for r in results)
 
 
+@pytest.mark.slow
 def test_groups_share_by_weight_and_a_small_group_is_not_held_back(redis_url, queue, rds, inproc):
     from producer.keys import Keys
 
@@ -88,6 +90,7 @@ def test_groups_share_by_weight_and_a_small_group_is_not_held_back(redis_url, qu
         assert abs(share - weight / 7) <= 0.1 * weight / 7, (name, share, tokens)
 
 
+@pytest.mark.slow
 def test_a_group_with_five_jobs_is_not_held_back_by_one_with_2000(redis_url, queue, inproc):
     eng, thread = inproc(max_num_seqs=8)
     c = Client(redis_url, queue=queue)

@@ -171,6 +171,7 @@ def test_async_client(redis_url, queue, rds):
     asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_long_wait_stays_under_socket_timeout(redis_url, queue):
     # A blocking read must never outlast the connection's socket timeout: it waits in shorter slices.
     r = redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=0.3)

@@ -42,6 +42,7 @@ def _follow(engine, tokenizer, prompt: list[int], params: SamplingParams, resume
                 return out.text, view.choice(0).text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(6))
 def test_the_publisher_decodes_as_the_engine(engine, seed):
     tokenizer = RustTokenizer(tokenizer_spec(engine.tokenizer)[1])  # as the process gets it: JSON, no transformers

@@ -49,6 +49,7 @@ def test_bad_sentinel_urls(url, needle):
     assert needle in str(e.value)
 
 
+@pytest.mark.slow
 def test_a_sentinel_url_builds_a_client_without_io():
     url = "redis+sentinel://127.0.0.1:1,127.0.0.1:2/pq/2"  # nothing listens there
     assert not detect_cluster(url)
