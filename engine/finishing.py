@@ -106,14 +106,9 @@ class Finishing:
 
     def _streamed_end(self, seq: Sequence, out: RequestOutput) -> None:
         """A streamed continuation's last output: its request's last, with every continuation, once none runs."""
-        group = seq.group
         out.cumulative_logprob = seq.cumulative_logprob if seq.params.needs_logprobs else None
-        group.finals[out.index] = out
-        group.unreported -= 1
-        if not group.unreported:
-            self.scheduler.forget(group.request_id)
-            out.request_finished = True
-            out.choices = [group.finals[i] for i in sorted(group.finals)]
+        if seq.group.streamed_end(out):
+            self.scheduler.forget(seq.request_id)
 
 
 def advance(seq: Sequence, token: int, reason: str | None) -> str | None:

@@ -1,10 +1,12 @@
-"""Several continuations of one prompt: a request with n > 1, best_of > 1 or beam search.
+"""Several continuations of one prompt: a request with n > 1, best_of > 1 or beam search. The Group is the parent
+request: it collects its continuations' results (as they stream, or whole at the end) into the request's last output.
 
 The prompt is prefilled once, by the group's first sequence. When that has computed its last prompt token the group
 forks: the other sequences share every block of it, the partly filled last one included, and each takes a copy of
 a block only when it is about to write into one it shares (copy-on-write, BlockManager.prepare_write). A sampling
-group's sequences then decode on their own, each with its own seed; a beam group's advance together, forking the
-beams worth keeping and dropping the others every step (engine.beam_search).
+group's sequences then are plain sequences to the scheduler: each decodes with its own seed, and is preempted and
+recomputed on its own. A beam group's are a gang (Sequence.gang): they step, and are preempted, together, forking
+the beams worth keeping and dropping the others every step (engine.beam_search).
 """
 
 from __future__ import annotations
@@ -64,6 +66,17 @@ class Group:
     def slots(self) -> int:
         """Sequences it holds in a batch, or will once it forks."""
         return len(self.seqs) if self.forked else self.width
+
+    def streamed_end(self, out) -> bool:
+        """A streamed continuation's last output (engine.outputs.RequestOutput) -> whether it ends the request: then
+        it is the request's last output and carries every continuation's last in `choices`."""
+        self.finals[out.index] = out
+        self.unreported -= 1
+        if self.unreported:
+            return False
+        out.request_finished = True
+        out.choices = [self.finals[i] for i in sorted(self.finals)]
+        return True
 
     def returned(self) -> list[Sequence]:
         """A sampling group's n continuations to return, in index order: all of them, or the n of highest

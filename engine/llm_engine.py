@@ -1,9 +1,6 @@
-"""LLMEngine: add requests, step, read outputs. One continuous batch over a paged KV cache.
-
-The engine is a facade over its stages: intake (engine.intake: checks, tokenization, resume, sequences), the step
-loop (engine.step_loop: schedule, launch, feed, land) and finishing (engine.finishing: stop tokens, lengths,
-constraints, stop strings, outputs). The scheduler, block manager and group steps are rebuilt by reset().
-"""
+"""LLMEngine: add requests, step, read outputs. One continuous batch over a paged KV cache, a facade over its stages:
+intake (checks, tokenization, resume, sequences), the step loop (schedule, launch, feed, land) and finishing (stop
+tokens, lengths, constraints, stop strings, outputs)."""
 
 from __future__ import annotations
 
@@ -24,13 +21,11 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.self_check import self_check
 from engine.sequence import PLACEHOLDER
 from engine.stats import StepTimes
 from engine.step_loop import StepLoop
 from engine.tokens import chat_prompt, eos_ids
-
-SELF_CHECK_ID = "pagedq-self-check"
-SELF_CHECK_STEPS = 8
 
 
 class LLMEngine:
@@ -44,7 +39,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, folder)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.hf_config.vocab_size
-        self.eos_token_ids = eos_ids(folder, self.runner.hf_config, self.tokenizer)
+        self._eos_token_ids = eos_ids(folder, self.runner.hf_config, self.tokenizer)
         self.rng = random.Random(config.seed)
         self.times = StepTimes()
         self.runner.times = self.times
@@ -67,12 +62,11 @@ class LLMEngine:
         self.groups = GroupSteps(self.scheduler, self.block_manager,
                                  lambda prompt, stop: Detokenizer(self.tokenizer, prompt, stop))
         limits = Limits(self.vocab_size, self.max_model_len, config.max_num_seqs, config.block_size,
-                        self.runner.num_blocks)
+                        self.num_total_blocks)
         self.intake = Intake(self.tokenizer, self.grammars, self.scheduler, limits, self.eos_token_ids, self.rng)
         self.finishing = Finishing(self.scheduler, self.groups)
         self.loop = StepLoop(self.runner, self.scheduler, self.groups, self.finishing, self.grammars, self.times,
-                             self.eos_token_ids, overlap)
-        self.loop.constrained = constrained
+                             self.eos_token_ids, overlap, constrained)
 
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel replica (nothing to do on one device)."""
@@ -84,11 +78,19 @@ class LLMEngine:
         return self.loop.last_batch
 
     @property
+    def eos_token_ids(self) -> set[int]:
+        return self._eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: set[int]) -> None:
+        """New end-of-sequence ids (a test's "every token ends"): for the requests added from now on."""
+        self._eos_token_ids = ids
+        self.intake.eos_ids, self.loop.eos_ids = frozenset(ids), sorted(ids)
+
+    @property
     def overlap(self) -> bool:
         """Whether a step launches before the one in flight lands (engine.step_loop)."""
         return self.loop.overlap
-
-    # ---- requests -------------------------------------------------------------------------------------------
 
     def add_request(
         self,
@@ -156,22 +158,8 @@ class LLMEngine:
         return max(m.num_output_tokens - (m.token_ids[-1] == PLACEHOLDER) for m in seq.request_members())
 
     def self_check(self) -> str | None:
-        """Run one tiny greedy request alone, on an empty engine -> None if it passed, else its error. A step that
-        fails on this too has no request to blame: the device, the model or the engine is broken."""
-        if self.has_unfinished_requests():
-            raise RuntimeError("self_check runs on an empty engine")
-        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
-        try:
-            self.add_request(SELF_CHECK_ID, prompt_token_ids=[0], params=params)
-            for _ in range(SELF_CHECK_STEPS):
-                if not self.has_unfinished_requests():
-                    return None
-                self.step()
-            return f"a {params.max_tokens}-token request did not finish in {SELF_CHECK_STEPS} steps"
-        except Exception as e:  # noqa: BLE001 (any error is the answer)
-            return f"{type(e).__name__}: {e}"
-        finally:
-            self.reset()
+        """Run one tiny greedy request alone (engine.self_check) -> None if it passed, else its error."""
+        return self_check(self)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.loop.in_flight) or self.scheduler.has_unfinished() or bool(self.intake.compiling)
@@ -220,26 +208,15 @@ class LLMEngine:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return chat_prompt(self.tokenizer, self.model_name, messages, add_generation_prompt)
 
-    # ---- stepping -------------------------------------------------------------------------------------------
-
     def step(self) -> list[RequestOutput]:
-        """Run one step -> the outputs of the step that finished.
-
-        With overlap (the default on CUDA, where a forward only launches kernels) a call schedules and launches
-        the next step while the one before it is still in flight, its sampled tokens fed to the new step's inputs
-        on the device; then it waits for the older step, appends its tokens, ends what it finished, and builds its
-        outputs. All of that, and whatever the caller does with the outputs, runs while the device computes.
-        Outputs come one call later; what they are does not change. A request that a step ends by a stop token
-        or stop string was already scheduled into the next one: that row's token is dropped.
-        """
+        """Run one step -> the outputs of the step that landed. With overlap (engine.step_loop) they are those of
+        the step launched by the call before: outputs come one call later, and are the same."""
         self.times.start()
         if self.intake.compiling:
             self.intake.admit_compiled(idle=not self.scheduler.has_unfinished() and not self.loop.in_flight)
         outputs = self.finishing.outputs(self.loop.step())
         self.times.lap("outputs")
         return outputs
-
-    # ---- offline convenience --------------------------------------------------------------------------------
 
     def generate(
         self,
@@ -253,10 +230,8 @@ class LLMEngine:
         ids = [f"gen-{self.rng.getrandbits(48):012x}-{i}" for i in range(len(prompts))]
         try:
             for rid, prompt, p in zip(ids, prompts, plist):
-                if isinstance(prompt, str):
-                    self.add_request(rid, prompt=prompt, params=p)
-                else:
-                    self.add_request(rid, prompt_token_ids=list(prompt), params=p)
+                text = isinstance(prompt, str)
+                self.add_request(rid, prompt if text else None, None if text else list(prompt), p)
         except ValueError:
             for rid in ids:
                 self.abort(rid)

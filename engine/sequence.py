@@ -81,6 +81,21 @@ class Sequence:
             child.matcher = self.matcher.deep_copy()
         return child
 
+    # A unit is what the scheduler admits, steps and preempts together: a beam gang's live beams, else the sequence
+    # alone (a sampling continuation too: it shares its prompt's blocks by reference counts, and runs on its own).
+    # These two say, once, what a group means to the scheduler.
+
+    @property
+    def unit(self) -> list[Sequence]:
+        """The sequences admitted and preempted with this one, itself included."""
+        return [self] if self.gang is None else list(self.gang.seqs)
+
+    @property
+    def slots(self) -> int:
+        """Batch slots it holds: one, but a group's prompt holds one per continuation until it forks into them."""
+        group = self.group
+        return group.width if group is not None and not group.forked and self.index == 0 else 1
+
     def request_members(self) -> list[Sequence]:
         """Every sequence of the request this one is the first of: itself, and its group's others."""
         if self.group is None:

@@ -3,7 +3,9 @@
 With overlap (the default on CUDA, where a forward only launches kernels) a step is scheduled and launched while
 the one before it is still in flight, its sampled tokens fed to the new step's inputs on the device; then the older
 step lands: its tokens are written in and what they end is ended (engine.finishing). At most two steps are in
-flight, oldest first.
+flight, oldest first. All of the landing, and whatever the caller does with the outputs, runs while the device
+computes; a request that a step ends by a stop token or stop string was already scheduled into the next one: that
+row's token is dropped.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ class InFlight:
 
 class StepLoop:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, groups: GroupSteps, finishing: Finishing,
-                 grammars: Grammars, times: StepTimes, eos_ids: set[int], overlap: bool) -> None:
+                 grammars: Grammars, times: StepTimes, eos_ids: set[int], overlap: bool, constrained: bool = False
+                 ) -> None:
         self.runner = runner
         self.scheduler = scheduler
         self.bm: BlockManager = scheduler.bm
@@ -69,7 +72,7 @@ class StepLoop:
         self.overlap = overlap
         self.in_flight: deque[InFlight] = deque()  # launched steps not yet landed, oldest first (at most two)
         self.last_batch = SchedulerOutput()  # what the latest step ran: for a worker's batch-size metrics
-        self.constrained = False  # whether a request with a constraint ever came: else no step looks for matchers
+        self.constrained = constrained  # whether a request with a constraint ever came: else no step looks for any
 
     def step(self) -> Landed | None:
         """Run one step -> the step that landed, if any (with overlap: usually the one launched by the call
