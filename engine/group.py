@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.beam_search import BeamSearch
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -41,7 +42,7 @@ class Group:
     done: list[Sequence] = field(default_factory=list)  # finished continuations (sampling)
     forked: bool = False  # whether the prompt's sequence has forked into the others yet
     beams: BeamSearch | None = None
-    finals: dict = field(default_factory=dict)  # index -> a streamed continuation's last RequestOutput
+    finals: dict[int, RequestOutput] = field(default_factory=dict)  # index -> a streamed continuation's last output
     unreported: int = 0  # streamed continuations whose last output is still to come (the request ends at 0)
 
     def __post_init__(self) -> None:
@@ -67,8 +68,15 @@ class Group:
         """Sequences it holds in a batch, or will once it forks."""
         return len(self.seqs) if self.forked else self.width
 
-    def streamed_end(self, out) -> bool:
-        """A streamed continuation's last output (engine.outputs.RequestOutput) -> whether it ends the request: then
+    def ended(self, seq: Sequence) -> bool:
+        """A sampling continuation ended -> whether the request reports now: it was the last of a request whose
+        continuations are reported whole, at the end (best_of > n)."""
+        self.seqs.remove(seq)
+        self.done.append(seq)
+        return not self.seqs and not self.streams
+
+    def streamed_end(self, out: RequestOutput) -> bool:
+        """A streamed continuation's last output -> whether it ends the request: then
         it is the request's last output and carries every continuation's last in `choices`."""
         self.finals[out.index] = out
         self.unreported -= 1

@@ -55,9 +55,7 @@ class GroupSteps:
         """A sampling continuation ended (its blocks are free) -> the group's outputs if that ended the request
         and its continuations were not reported as they came."""
         group = seq.group
-        group.seqs.remove(seq)
-        group.done.append(seq)
-        if group.seqs or group.streams:
+        if not group.ended(seq):
             return []
         self.scheduler.forget(group.request_id)
         return self._report(group, [(s, whole_text(s), None) for s in group.returned()])
