@@ -55,9 +55,7 @@ class GroupSteps:
         """A sampling continuation ended (its blocks are free) -> the group's outputs if that ended the request
         and its continuations were not reported as they came."""
         group = seq.group
-        group.seqs.remove(seq)
-        group.done.append(seq)
-        if group.seqs or group.streams:
+        if not group.ended(seq):
             return []
         self.scheduler.forget(group.request_id)
         return self._report(group, [(s, whole_text(s), None) for s in group.returned()])
@@ -98,6 +96,7 @@ class GroupSteps:
         for i, h in enumerate(group.beams.results(group.n)):
             seq = template.fork(i, template.seed)
             seq.token_ids, seq.finish_reason = h.token_ids, "stop" if h.stopped else "length"
+            seq.hidden_stop = h.stopped
             seq.detok = self.detokenizer(seq.token_ids[: seq.num_prompt_tokens], [])
             seq.cumulative_logprob = h.logprob
             ended.append((seq, whole_text(seq), h.score))
@@ -111,6 +110,7 @@ class GroupSteps:
         for rank, (seq, text, score) in enumerate(ended):
             out = RequestOutput.whole(seq, rank, seq.finish_reason, text)
             out.cumulative_logprob, out.score = seq.cumulative_logprob, score
+            out.hidden_stop = seq.hidden_stop
             outs.append(out)
         if outs:
             outs[-1].request_finished = True
@@ -120,11 +120,11 @@ class GroupSteps:
 
 def whole_text(seq: Sequence) -> str:
     """A finished continuation's text, for one reported at the end: decoded as it landed where it has stop strings,
-    else now (a stop token's text is not shown, as in a streamed one)."""
+    else now, without a last token whose text is not shown (Sequence.hidden_stop, set by engine.finishing)."""
     detok = seq.detok
     if not detok.lazy:
         return detok.text
     ids = seq.token_ids[seq.num_prompt_tokens:]
-    if seq.finish_reason == "stop" and ids and ids[-1] in seq.stop_ids:
+    if seq.hidden_stop:
         ids = ids[:-1]
     return detok.add(ids, final=True)[0]

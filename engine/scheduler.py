@@ -7,7 +7,8 @@ order (priority, then deadline, then arrival) while blocks and budget allow.
 Preemption is by recompute: a request's blocks are freed and it goes back to the queue, ahead of later arrivals of
 its urgency, to be prefilled again later with its prompt and the tokens it has generated so far. The victim is
 always the least urgent running request (the highest Sequence.priority_key; among equals, the most recently
-admitted), a group (engine.group) whole. It happens
+admitted), a unit (Sequence.unit) whole: a beam search's beams together, any other sequence alone (each
+continuation of a sampling request too, engine.group). It happens
 - when a running request needs a block and none is free;
 - with preempt_for_priority, when the head of the queue cannot join (sequence cap or free blocks) and running
   requests are strictly less urgent than it: as many of them as it takes, if that is enough, and it joins in the
@@ -43,11 +44,7 @@ class SchedulerOutput:
 
 
 _sort_key = attrgetter("sort_key")
-
-
-def _slots(seq: Sequence) -> int:
-    """Batch slots a waiting sequence takes: a group that has not forked yet takes one per continuation."""
-    return seq.group.width if seq.group is not None and not seq.group.forked and seq.index == 0 else 1
+_slots = attrgetter("slots")
 
 
 class Scheduler:
@@ -96,7 +93,7 @@ class Scheduler:
         """How many new requests could join now: free sequence slots not already promised to waiting requests (a
         group promises as many as it runs), limited by free blocks (each new request needs at least one)."""
         self._drop_finished()
-        slots = self.max_num_seqs - self._seqs_held() - sum(_slots(s) for s in self.waiting)
+        slots = self.max_num_seqs - self._seqs_held() - sum(map(_slots, self.waiting))
         blocks = (self.bm.num_free_blocks - self.watermark
                   - sum(self.bm.blocks_needed(s.num_tokens) for s in self.waiting))
         return max(0, min(slots, blocks))
@@ -122,8 +119,8 @@ class Scheduler:
         add_seq, add_count = out.seqs.append, out.num_new_tokens.append  # bound once: this loop runs per sequence
         while i < len(running) and budget > 0:
             seq = running[i]
-            if seq.group is not None:  # continuations share blocks, and beams move together: the slow path
-                i, taken = self._schedule_group(i, out, budget)
+            if seq.group is not None:  # it may write into a block it shares (copy on write), or step in a gang
+                i, taken = self._schedule_unit(i, out, budget)
                 budget -= taken
                 continue
             done = seq.num_computed_tokens
@@ -155,16 +152,14 @@ class Scheduler:
         return out
 
     def _unit(self, i: int) -> list[Sequence]:
-        """What is scheduled together from running[i] on: a beam group's live beams (contiguous in running), else
-        the one sequence."""
-        seq = self.running[i]
-        if seq.group is None or not seq.group.is_beam:
-            return [seq]
-        return self.running[i: i + len(seq.group.seqs)]
+        """What steps together from running[i] on: a beam gang's live beams (contiguous in running), else the one
+        sequence."""
+        gang = self.running[i].gang
+        return self.running[i: i + len(gang.seqs)] if gang is not None else [self.running[i]]
 
-    def _schedule_group(self, i: int, out: SchedulerOutput, budget: int) -> tuple[int, int]:
-        """A group member's share of the step (a beam group's: all its beams) -> (where in running the next unit
-        is, tokens taken): preemptions for room may have moved it, or taken this unit itself."""
+    def _schedule_unit(self, i: int, out: SchedulerOutput, budget: int) -> tuple[int, int]:
+        """A shared-block sequence's share of the step (a beam gang's: all its beams) -> (where in running the next
+        unit is, tokens taken): preemptions for room may have moved it, or taken this unit itself."""
         unit = self._unit(i)
         plan = self._plan(unit, budget)
         need = sum(self.bm.blocks_to_write(s, n) for s, n in plan)
@@ -193,10 +188,10 @@ class Scheduler:
         return plan
 
     def _make_room(self, need: int, unit: list[Sequence], out: SchedulerOutput, i: int) -> tuple[int, bool]:
-        """Preempt the least urgent (a whole group at once) until `need` blocks are free for `unit`, which starts at
+        """Preempt the least urgent (a unit whole) until `need` blocks are free for `unit`, which starts at
         running[i] -> (where it starts now, whether it is still running: False if it was the least urgent)."""
         while self.bm.num_free_blocks < need:
-            victims = self._members(self.running[self._victim()])
+            victims = self.running[self._victim()].unit
             i -= self._evict(victims, out, i)
             if any(v in unit for v in victims):
                 return i, False
@@ -222,30 +217,25 @@ class Scheduler:
         return before
 
     @staticmethod
-    def _members(seq: Sequence) -> list[Sequence]:
-        return list(seq.group.seqs) if seq.group is not None and seq.group.forked else [seq]
-
-    @staticmethod
     def _unschedule(seq: Sequence, out: SchedulerOutput) -> None:
-        """Take seq out of this step, where it was scheduled already (a member of a group preempted after it)."""
+        """Take seq out of this step, where it was scheduled already (a beam of a gang preempted after it)."""
         for j in range(len(out.seqs) - 1, -1, -1):
             if out.seqs[j] is seq:
                 del out.seqs[j], out.num_new_tokens[j]
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int | None:
-        """The head of the waiting queue (a whole group at once), less urgent running requests preempted for it
-        where that makes room -> tokens it takes, or None if it cannot join."""
+        """The head of the waiting queue (its unit whole), less urgent running requests preempted for it where that
+        makes room -> tokens it takes, or None if it cannot join."""
         head = self.waiting[0]
-        members = [s for s in self.waiting if s.group is head.group] if head.group is not None else [head]
-        unforked = head.group is not None and not head.group.forked
-        slots = head.group.width if unforked else len(members)
+        members = [s for s in head.unit if s.status is Status.WAITING]
+        slots = sum(map(_slots, members))
         lack_slots = self._seqs_held() + slots - self.max_num_seqs
         # Checked before the prefix lookups below: a full batch of equals asks this every step.
         if (lack_slots > 0 or out.preempted) and not self._outranks(head):
             return None
         hits = [self.bm.match_prefix(s) for s in members]
         # A group that forks later takes a block per other continuation then (a copy of the prompt's last block).
-        lack_blocks = self._lack_blocks(hits, [s.num_tokens for s in members], slots - 1 if unforked else 0, budget)
+        lack_blocks = self._lack_blocks(hits, [s.num_tokens for s in members], slots - len(members), budget)
         if lack_slots > 0 or lack_blocks > 0:
             victims = self._victims(head.priority_key, hits, lack_slots, lack_blocks) \
                 if self.preempt_for_priority else None
@@ -272,7 +262,7 @@ class Scheduler:
 
     def _victims(self, key: tuple[int, float], hits: list[list[int]], slots: int, blocks: int
                  ) -> list[list[Sequence]] | None:
-        """The running units (a group whole) strictly less urgent than `key`, least urgent first (among equals the
+        """The running units (Sequence.unit) strictly less urgent than `key`, least urgent first (among equals the
         latest), that free `slots` sequence slots and `blocks` blocks -> None if all of them would not. Blocks that
         others share stay taken, and prefix hits of the request to join do not count: it takes those itself."""
         running, ref_counts = self.running, self.bm.ref_counts
@@ -286,11 +276,10 @@ class Scheduler:
                 break
             if running[j] in taken:
                 continue
-            unit = self._members(running[j])
+            unit = running[j].unit
             taken.update(unit)
             units.append(unit)
-            group = unit[0].group
-            slots -= len(unit) + (group.width - 1 if group is not None and not group.forked else 0)
+            slots -= sum(map(_slots, unit))
             for block in (b for s in unit for b in s.block_table):
                 held[block] += 1
                 if held[block] == ref_counts[block] and block not in hit:
@@ -298,8 +287,7 @@ class Scheduler:
         return units if slots <= 0 and blocks <= 0 else None
 
     def _join(self, members: list[Sequence], hits: list[list[int]], out: SchedulerOutput, budget: int) -> int:
-        """Admit members (the head of the queue, a group whole) with their prefix hits -> tokens they take."""
-        group = members[0].group
+        """Admit members (the head of the queue, its unit whole) with their prefix hits -> tokens they take."""
         for seq, h in zip(members, hits):
             self.waiting.remove(seq)
             self.bm.allocate(seq, 0, h)
@@ -307,9 +295,8 @@ class Scheduler:
                 seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = Status.RUNNING
             self.running.append(seq)
-        if group is not None and not group.forked:
-            self.unforked_slots += group.width - 1
-        plan = self._plan(members, budget) if group is not None and group.is_beam else self._fill(members, budget)
+        self.unforked_slots += sum(map(_slots, members)) - len(members)
+        plan = self._plan(members, budget) if members[0].gang is not None else self._fill(members, budget)
         for seq, n in plan:
             self.bm.append(seq, n)
             out.seqs.append(seq)
@@ -364,8 +351,7 @@ class Scheduler:
             self._enqueue(seq)
 
     def _preempt(self, seq: Sequence) -> None:
-        if seq.group is not None and not seq.group.forked:
-            self.unforked_slots -= seq.group.width - 1
+        self.unforked_slots -= seq.slots - 1
         self.bm.free_seq(seq)
         seq.num_preemptions += 1
         self._enqueue(seq)

@@ -64,9 +64,11 @@ class Sequence:
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
         self.detok = None  # the engine's Detokenizer for it
         self.group = None  # the engine.group.Group it is a continuation or beam of, if any
+        self.gang = None  # its group again where that is a beam search: the beams step together, as one unit
         self.index = 0  # its continuation's index in the group
         self.cumulative_logprob = 0.0  # of its output tokens, where the group needs it (best_of, beams)
         self.matcher = None  # its constraint's llguidance matcher, advanced by each token that lands
+        self.hidden_stop = False  # it ended on a stop token whose text is not shown (engine.finishing)
 
     def fork(self, index: int, seed: int) -> Sequence:
         """Another continuation from where this one is: the same tokens and progress, no blocks yet (the block
@@ -78,6 +80,27 @@ class Sequence:
         if self.matcher is not None:
             child.matcher = self.matcher.deep_copy()
         return child
+
+    # A unit is what the scheduler admits, steps and preempts together: a beam gang's live beams, else the sequence
+    # alone (a sampling continuation too: it shares its prompt's blocks by reference counts, and runs on its own).
+    # These two say, once, what a group means to the scheduler.
+
+    @property
+    def unit(self) -> list[Sequence]:
+        """The sequences admitted and preempted with this one, itself included."""
+        return [self] if self.gang is None else list(self.gang.seqs)
+
+    @property
+    def slots(self) -> int:
+        """Batch slots it holds: one, but a group's prompt holds one per continuation until it forks into them."""
+        group = self.group
+        return group.width if group is not None and not group.forked and self.index == 0 else 1
+
+    def request_members(self) -> list[Sequence]:
+        """Every sequence of the request this one is the first of: itself, and its group's others."""
+        if self.group is None:
+            return [self]
+        return [self, *self.group.seqs, *self.group.done]
 
     @property
     def num_tokens(self) -> int:

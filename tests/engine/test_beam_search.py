@@ -88,8 +88,8 @@ def test_beams_on_every_backend(tiny_model, backend):
 
 @pytest.mark.slow
 def test_beams_under_preemption(tiny_model):
-    """Three beam groups and a sampling group in a pool that cannot hold them all: groups are preempted whole,
-    recomputed, and still give transformers' beams."""
+    """Three beam groups and a sampling group in a pool that cannot hold them all: beam gangs are preempted whole
+    (sampling continuations each on its own), recomputed, and still give transformers' beams."""
     path = tiny_model("llama")
     engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=22, block_size=8, max_num_batched_tokens=64,
                                     attention_backend="torch"))

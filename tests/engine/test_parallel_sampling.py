@@ -134,8 +134,8 @@ def test_best_of_and_beams_say_nothing_until_the_end(llama):
 
 @pytest.mark.slow
 def test_a_group_under_preemption_gives_the_same_continuations(llama):
-    """A pool too small for everything at once: groups are preempted whole and recomputed, and every
-    continuation still equals its single-request equivalent; the block accounting holds after every step."""
+    """A pool too small for everything at once: continuations are preempted (each on its own) and recomputed, and
+    every continuation still equals its single-request equivalent; the block accounting holds after every step."""
     engine = LLMEngine(EngineConfig(model=llama, num_kv_blocks=14, block_size=8, attention_backend="torch",
                                     max_num_batched_tokens=64))
     preempted = []

@@ -148,7 +148,9 @@ def add_group(sched, rid, n, priority, first):
     return seq
 
 
-def test_a_group_is_preempted_whole():
+def test_a_sampling_continuation_is_preempted_alone():
+    """A forked sampling group's continuations are sequences of their own (sharing the prompt's blocks): an urgent
+    request that needs one slot preempts one continuation, the latest, not the whole group."""
     sched = make(max_seqs=4)
     groups = GroupSteps(sched, sched.bm, lambda prompt, stop: None)
     add(sched, "a", 5, max_tokens=50, priority=5)
@@ -159,11 +161,12 @@ def test_a_group_is_preempted_whole():
     assert len(sched.running) == 4 and g.group.forked
     assert sched.num_preemptible((0, math.inf)) == 4 and sched.num_preemptible((5, math.inf)) == 3
     add(sched, "urgent", 3, priority=0, first=900)
+    last = g.group.seqs[2]
     out = fake_step(sched, groups=groups)
-    assert set(out.preempted) == set(g.group.seqs) and len(out.preempted) == 3  # all of it, though one would do
-    assert ids(sched.running) == ["a", "urgent"]
-    assert all(s.block_table == [] for s in g.group.seqs)
-    while len(sched.running) < 4:  # once there is room again it comes back whole, forked already
+    assert out.preempted == [last]  # one slot was needed: one continuation goes
+    assert ids(sched.running) == ["a", "g", "g", "urgent"] and last.block_table == []
+    assert g.group.seqs[0].block_table and g.group.seqs[1].block_table
+    while last not in sched.running:  # once there is room again it comes back, recomputed alone
         fake_step(sched, groups=groups)
     assert set(g.group.seqs) <= set(sched.running)
 

@@ -29,13 +29,13 @@ def traced_run(engine: LLMEngine) -> tuple[SyncTracer, list]:
     """Run PROMPTS to the end, the launch of every step traced (landing a step reads its tokens by design)."""
     engine.runner.staging = Staging(engine.runner.device, copies=True)  # what CUDA runs, here
     tracer = SyncTracer(staging=engine.runner.staging)
-    launch = engine._launch
+    launch = engine.loop.launch
 
     def traced_launch():
         with tracer:
             return launch()
 
-    engine._launch = traced_launch
+    engine.loop.launch = traced_launch
     outs = engine.generate(PROMPTS, PARAMS)
     return tracer, [o.token_ids for o in outs]
 
