@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 from engine.beam_search import BeamSearch
 from engine.detokenizer import Detokenizer
-from engine.structured.grammars import Compiled, Grammars
 from engine.group import Group, child_seed
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, Status
+from engine.structured.grammars import Compiled, Grammars
 
 log = logging.getLogger("pagedq.engine")
 

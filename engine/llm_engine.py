@@ -13,19 +13,19 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
 from engine.finishing import Finishing
-from engine.structured.grammars import Grammars
 from engine.group_steps import GroupSteps
 from engine.intake import Intake, Limits
-from engine.weights.loader import resolve_model
-from engine.runner.model_runner import ModelRunner
 from engine.outputs import RequestOutput
+from engine.runner.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.self_check import self_check
 from engine.sequence import PLACEHOLDER
 from engine.stats import StepTimes
 from engine.step_loop import StepLoop
+from engine.structured.grammars import Grammars
 from engine.tokens import chat_prompt, eos_ids
+from engine.weights.loader import resolve_model
 
 
 class LLMEngine:

@@ -19,16 +19,16 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.finishing import GONE, Finishing, Landed
-from engine.structured.grammars import Grammars
 from engine.group import Group
 from engine.group_steps import GroupSteps
-from engine.runner.model_runner import ModelRunner
 from engine.outputs import RequestOutput
+from engine.runner.model_runner import ModelRunner
 from engine.runner.sampler import SamplingBatch
+from engine.runner.step_inputs import Feed
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import PLACEHOLDER, Sequence, Status
 from engine.stats import StepTimes
-from engine.runner.step_inputs import Feed
+from engine.structured.grammars import Grammars
 
 _PLAIN_GREEDY = attrgetter("plain_greedy")
 
