@@ -94,10 +94,6 @@ class Finishing:
             out = RequestOutput(seq, token, reason, pos + 1, text, detok.text, detok.sent, logprobs and logprobs[i],
                                 detok if detok.lazy else None, at)
             out.hidden_stop = hidden
-            if detok.lazy and reason == "stop" and not hidden:
-                # A grammar's last token, which shows: decoded now, since a reader that decodes deferred text
-                # itself (the worker's publisher) hides the last token of every "stop".
-                out.new_text  # noqa: B018
             if seq.group is not None and reason is not None:
                 self._streamed_end(seq, out)
             add(out)
