@@ -196,3 +196,39 @@ def test_an_import_is_an_edge_to_the_module_it_names():
     assert edges("from ..config import EngineConfig") == ["engine.config"]
     assert edges("def f():\n    import engine.runner.staging") == ["engine.runner.staging"]  # lazy: an edge still
     assert edges("import numpy") == []
+
+
+# The engine's rooms -> the engine modules they may import (besides their own room's and kernels). The core (the flat
+# modules: llm_engine and its stages, scheduler, block manager, sequence...) may import every room; the rooms below
+# it only what is listed, so a weights loader or a grammar never reaches back into the step loop.
+CORE_DATA = {"engine.config", "engine.scheduler", "engine.sequence", "engine.sampling_params", "engine.stats",
+             "engine.block_tables"}
+ROOMS = {
+    "weights": set(),
+    "structured": set(),
+    "parallel": {"engine.config"},
+    "models": {"engine.weights", "engine.parallel"},
+    "runner": {"engine.models", "engine.weights", "engine.parallel", *CORE_DATA},
+}
+
+
+def _allowed_in_room(target: str, allowed: set[str]) -> bool:
+    return any(target == a or target.startswith(a + ".") for a in allowed)
+
+
+def test_every_engine_room_has_its_place():
+    rooms = {p.parent.name for p in (ROOT / "engine").glob("*/__init__.py")}
+    assert rooms == set(ROOMS), "a room of engine/ must be given its allowed imports in ROOMS"
+
+
+def test_engine_rooms_import_only_what_they_may():
+    graph = module_graph()
+    wrong = []
+    for room, allowed in ROOMS.items():
+        own = f"engine.{room}"
+        for module in sorted(m for m in graph if m == own or m.startswith(own + ".")):
+            for target in sorted(graph[module]):
+                inside = target.startswith("engine") and not _allowed_in_room(target, {own, *allowed})
+                if inside:
+                    wrong.append(f"{module} imports {target}")
+    assert not wrong, "engine rooms importing against ROOMS (tests/ops/test_layers.py):\n" + "\n".join(wrong)
