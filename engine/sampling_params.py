@@ -1,7 +1,7 @@
 """Per-request generation settings.
 
 A job's sampling fields are producer/sampling_fields.py's table, which the engine cannot import (the layers):
-these fields restate it, and tests/test_sampling_fields.py holds their names, defaults and bounds to it. min_tokens
+these fields restate it, and tests/queue/test_sampling_fields.py holds their names, defaults and bounds to it. min_tokens
 and constraint are the engine's own (a job's constraint comes from response_format or guided_*)."""
 
 from __future__ import annotations

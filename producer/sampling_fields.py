@@ -3,7 +3,7 @@
 JobRequest's sampling fields are made from it (producer.protocol), serve reads them from OpenAI bodies through it
 (serve.translate) and the worker builds the engine's SamplingParams from it (worker.validate). Three places cannot
 import it: the engine (below producer in the layers), the JavaScript client and PROTOCOL.md. They restate it, and
-tests/test_sampling_fields.py holds each to it: a field missing from one, or with another default or bound, fails
+tests/queue/test_sampling_fields.py holds each to it: a field missing from one, or with another default or bound, fails
 that test, naming the field and the place.
 
 Adding a sampling field: a row here; the engine's SamplingParams (engine=True); clients/js (index.d.ts, and

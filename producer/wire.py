@@ -1,6 +1,7 @@
 """The names of the wire protocol: job states, the fields of every hash and stream entry, event types and
-the error codes of the Lua scripts; and the token event's encoder and decoder, side by side. The scripts spell the same names (tests/test_wire_names.py checks that
-every name a script uses is declared here); PROTOCOL.md documents them for producers in other languages.
+the error codes of the Lua scripts; and the token event's encoder and decoder, side by side. The scripts spell the
+same names (tests/queue/test_lua_scripts.py, test_wire_names_match_the_scripts, checks that every name a script uses
+is declared here); PROTOCOL.md documents them for producers in other languages.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ export interface Message {
  * in it (prompt, messages, stop, model, constraints, metadata keys and values) must be valid Unicode: a lone
  * surrogate ('\ud800') is refused, naming where it is (`metadata.a[1]`); surrogate pairs (emoji) are fine.
  * Integers must be safe integers (`Number.isSafeInteger`). The sampling fields (max_tokens ... early_stopping) are
- * producer/sampling_fields.py's table; tests/test_sampling_fields.py holds their names and types here to it.
+ * producer/sampling_fields.py's table; tests/queue/test_sampling_fields.py holds their names and types here to it.
  */
 export interface JobRequest {
   /** The idempotency key: a second submit with the same id is refused. Default: a fresh random id. */

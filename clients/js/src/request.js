@@ -9,7 +9,7 @@ import { DEFAULT_LANE, GROUP_NAME_RE, LANES } from './keys.js';
 
 // Field order and defaults of producer/protocol.py JobRequest (id has a factory: always sent). The sampling
 // fields' defaults and bounds (max_tokens ... early_stopping, checked in makeRequest) restate
-// producer/sampling_fields.py's table: tests/test_sampling_fields.py holds them to it.
+// producer/sampling_fields.py's table: tests/queue/test_sampling_fields.py holds them to it.
 const DEFAULTS = {
   id: undefined,
   model: null,
