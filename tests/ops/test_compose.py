@@ -1,9 +1,13 @@
-"""docker-compose.yml: valid, and the commands its containers run are real commands of our CLI."""
+"""docker-compose.yml (and docker-compose.gpu.yml, the Dockerfile, .dockerignore): valid, the commands its containers
+run are real commands of our CLI, and the file is production-sane as written: restart policies, healthchecks, ports
+on 127.0.0.1 unless told otherwise, a required Redis password, monitoring only in its profile, a non-root image."""
 
 import json
+import os
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,17 +18,66 @@ from cli import main
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_compose_file_is_valid():
+FILES = ("docker-compose.yml", "docker-compose.gpu.yml")
+PAGEDQ = ("models", "worker", "serve", "dashboard")  # the services that run our image
+LONG_RUNNING = ("redis", "worker", "serve", "dashboard")
+
+
+def services(name: str = "docker-compose.yml") -> dict:
+    yaml = pytest.importorskip("yaml")
+    return yaml.safe_load((ROOT / name).read_text())["services"]
+
+
+def compose_config(*files: str, **env: str) -> subprocess.CompletedProcess:
+    """`docker-compose config` of FILES with ENV as the only settings (no .env of the checkout's user)."""
     if not shutil.which("docker-compose"):
         pytest.skip("docker-compose is not installed")
-    subprocess.run(["docker-compose", "config", "-q"], cwd=ROOT, check=True)
+    base = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME")}
+    with tempfile.TemporaryDirectory() as tmp:
+        empty = Path(tmp, "env")
+        empty.write_text("")
+        args = ["docker-compose", "--project-directory", str(ROOT), "--env-file", str(empty)]
+        for f in files:
+            args += ["-f", str(ROOT / f)]
+        return subprocess.run(args + ["config"], cwd=ROOT, env={**base, **env}, capture_output=True, text=True)
+
+
+def test_compose_file_is_valid():
+    for files in (FILES[:1], FILES):
+        done = compose_config(*files, REDIS_PASSWORD="s3cret")
+        assert done.returncode == 0, done.stderr
+
+
+def test_compose_refuses_to_start_without_a_redis_password():
+    done = compose_config(FILES[0])
+    assert done.returncode != 0 and "REDIS_PASSWORD" in done.stderr, done.stderr
+
+
+def test_published_ports_stay_on_this_host_unless_told():
+    import yaml
+
+    def bound(**env: str) -> set[str]:
+        done = compose_config(*FILES, REDIS_PASSWORD="s3cret", **env)
+        assert done.returncode == 0, done.stderr
+        svcs = yaml.safe_load(done.stdout)["services"]
+        return {p.rsplit(":", 2)[0] if isinstance(p, str) else p["host_ip"]
+                for s in svcs.values() for p in s.get("ports", [])}
+
+    assert bound() == {"127.0.0.1"}
+    assert bound(PAGEDQ_BIND="0.0.0.0") == {"0.0.0.0"}
+
+
+def test_every_published_port_is_bound_to_pagedq_bind():
+    for name in FILES:
+        for svc, spec in services(name).items():
+            for port in spec.get("ports", []):
+                assert port.startswith("${PAGEDQ_BIND:-127.0.0.1}:"), (name, svc, port)
 
 
 def test_container_commands_exist():
-    yaml = pytest.importorskip("yaml")
-    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
-    for name in ("models", "worker", "dashboard"):
-        cmd = services[name]["command"]
+    svcs = services()
+    for name in PAGEDQ:
+        cmd = svcs[name]["command"]
         assert cmd[0] == "pagedq"
         args = [a for a in cmd[1:] if not a.startswith("$")] + ["--help"]
         result = CliRunner().invoke(main, args)
@@ -32,20 +85,20 @@ def test_container_commands_exist():
 
 
 def test_a_worker_that_exits_is_started_again():
-    yaml = pytest.importorskip("yaml")
-    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
-    for name in ("redis", "worker", "dashboard"):
-        assert services[name].get("restart") == "unless-stopped", name
+    svcs = services()
+    for name in LONG_RUNNING:
+        assert svcs[name].get("restart") == "unless-stopped", name
+    assert services(FILES[1])["worker-tp2"]["restart"] == "unless-stopped"
 
 
 def test_prometheus_and_grafana_files_are_wired():
     yaml = pytest.importorskip("yaml")
-    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
-    mounts = [v.split(":")[0] for name in ("prometheus", "grafana") for v in services[name]["volumes"]]
+    services_ = services()
+    mounts = [v.split(":")[0] for name in ("prometheus", "grafana") for v in services_[name]["volumes"]]
     for path in mounts:
         assert (ROOT / path).exists(), path
     scrape = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())["scrape_configs"][0]
-    port = services["worker"]["environment"]["PAGEDQ_METRICS_PORT"]
+    port = services_["worker"]["environment"]["PAGEDQ_METRICS_PORT"]
     assert scrape["dns_sd_configs"][0]["names"] == ["worker"] and str(scrape["dns_sd_configs"][0]["port"]) == port
     ds = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())
     uid = ds["datasources"][0]["uid"]
