@@ -119,3 +119,138 @@ def test_every_metric_the_grafana_dashboard_queries_is_exported():
     dash = json.loads((ROOT / "deploy/grafana/dashboards/pagedq.json").read_text())
     queried = {n for p in dash["panels"] for t in p["targets"] for n in re.findall(r"\bpagedq_[a-z0-9_]+", t["expr"])}
     assert queried and not queried - exported, queried - exported
+
+
+def _probe(spec: dict) -> str:
+    test = spec["healthcheck"]["test"]
+    assert test[0] in ("CMD", "CMD-SHELL"), test
+    return " ".join(test[1:])
+
+
+def test_serve_and_workers_have_healthchecks():
+    svcs = services()
+    serve_port = svcs["serve"]["command"][svcs["serve"]["command"].index("--port") + 1]
+    assert f"http://127.0.0.1:{serve_port}/health" in _probe(svcs["serve"])
+    assert any(p.endswith(f":{serve_port}:{serve_port}") for p in svcs["serve"]["ports"])
+    workers = [svcs["worker"], services(FILES[1])["worker-tp2"]]
+    for w in workers:
+        port = w["environment"]["PAGEDQ_METRICS_PORT"]
+        assert f"http://127.0.0.1:{port}/metrics" in _probe(w)
+        # The metrics port opens after the engine is up: a first-start kernel build must fit in the start period.
+        assert _seconds(w["healthcheck"]["start_period"]) >= 300
+    assert "redis-cli" in _probe(svcs["redis"])
+
+
+def _seconds(text: str) -> int:
+    m = re.fullmatch(r"(\d+)(s|m)", text)
+    assert m, text
+    return int(m[1]) * (60 if m[2] == "m" else 1)
+
+
+def test_plain_up_starts_only_what_serves_jobs():
+    svcs = services()
+    for name in ("prometheus", "grafana"):
+        assert svcs[name].get("profiles") == ["monitoring"], name
+    assert [n for n, s in svcs.items() if "profiles" not in s] == ["redis", *PAGEDQ]
+
+
+def test_redis_needs_a_password_that_is_never_defaulted():
+    """The password comes from the environment or .env only: required (`:?`), never a default in the file, so
+    Redis can neither run open nor with a password anyone can read here."""
+    required = "${REDIS_PASSWORD:?"
+    redis = services()["redis"]
+    cmd = redis["command"]
+    assert cmd[cmd.index("--requirepass") + 1].startswith(required)
+    assert redis["environment"]["REDISCLI_AUTH"].startswith(required)
+    for name in FILES:
+        text = (ROOT / name).read_text()
+        assert not re.search(r"\$\{REDIS_PASSWORD(:?-|-)", text), name
+        for svc, spec in services(name).items():
+            url = (spec.get("environment") or {}).get("REDIS_URL")
+            if (spec.get("command") or [""])[0] == "pagedq" and svc != "models":
+                assert url and url.startswith("redis://:" + required) and url.endswith("@redis:6379/0"), (name, svc)
+
+
+def test_serve_takes_its_api_keys_from_the_environment():
+    env = services()["serve"]["environment"]
+    assert env["PAGEDQ_API_KEYS"] == "${PAGEDQ_API_KEYS:-}"
+
+
+def test_every_pagedq_setting_is_an_option_of_its_command():
+    """A misspelt PAGEDQ_* variable would be ignored silently by the container: each must be one its command reads."""
+    for name in FILES:
+        for svc, spec in services(name).items():
+            cmd = spec.get("command") or []
+            if not cmd or cmd[0] != "pagedq":
+                continue
+            command = main.commands[cmd[1]]
+            read = {v for p in command.params for v in _envvars(p)}
+            for var in spec.get("environment") or {}:
+                if var.startswith("PAGEDQ_") or var == "REDIS_URL":
+                    assert var in read, (name, svc, var)
+
+
+def _envvars(param) -> list[str]:
+    envvar = getattr(param, "envvar", None)
+    return [envvar] if isinstance(envvar, str) else list(envvar or [])
+
+
+def test_every_variable_of_the_compose_files_is_documented():
+    text = (ROOT / "docs/operations.md").read_text()
+    docker = text[text.index("## Docker"):text.index("## Kubernetes")]
+    used = {v for name in FILES for v in re.findall(r"\$\{([A-Z_]+)", (ROOT / name).read_text())}
+    assert used and not {v for v in used if v not in docker}, sorted(v for v in used if v not in docker)
+    assert "--profile monitoring" in docker
+
+
+def test_the_gpu_file_keeps_in_step():
+    """Every service of ours runs the CUDA image the GPU file builds, and worker-tp2 is set up like worker."""
+    base, gpu = services(), services(FILES[1])
+    tag = gpu["models"]["image"]
+    assert "cu" in gpu["models"]["build"]["args"]["TORCH_INDEX_URL"]
+    for name in PAGEDQ:
+        assert gpu[name]["image"] == tag, name
+    tp2, worker = gpu["worker-tp2"], base["worker"]
+    assert tp2["image"] == tag
+    for key in ("restart", "healthcheck", "stop_grace_period", "volumes", "depends_on"):
+        assert tp2[key] == worker[key], key
+    assert set(worker["environment"]) - {"PAGEDQ_MAX_NUM_SEQS"} <= set(tp2["environment"])
+    assert tp2["environment"]["REDIS_URL"] == worker["environment"]["REDIS_URL"]
+
+
+def _dockerfile() -> list[tuple[str, str]]:
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    return [(ln.split(None, 1)[0].upper(), ln.split(None, 1)[1] if " " in ln else "") for ln in lines]
+
+
+def test_the_image_runs_as_a_user_that_owns_its_cache_and_kernels():
+    steps = _dockerfile()
+    users = [arg for op, arg in steps if op == "USER"]
+    assert users and users[-1] not in ("root", "0"), users
+    env = " ".join(arg for op, arg in steps if op == "ENV")
+    kernels = re.search(r"PAGEDQ_KERNELS_DIR=(\S+)", env)[1]
+    chown = " ".join(arg for op, arg in steps if op == "RUN" and "chown" in arg)
+    assert f"{users[-1]}:" in chown and "/cache" in chown and (kernels in chown or "/opt/pagedq" in chown), chown
+    # The kernels are built as that user, after USER, so the folder it writes is its own.
+    ops = [op for op, _ in steps]
+    build = next(i for i, (op, arg) in enumerate(steps) if op == "RUN" and "kernels build" in arg)
+    assert ops.index("USER") < build
+
+
+def test_the_torch_index_is_a_build_argument_with_a_cpu_default():
+    args = dict(arg.split("=", 1) for op, arg in _dockerfile() if op == "ARG" and "=" in arg)
+    assert args["TORCH_INDEX_URL"].strip('"').endswith("/whl/cpu")
+    install = next(arg for op, arg in _dockerfile() if op == "RUN" and "TORCH_SPEC" in arg)
+    assert "--index-url" in install and "TORCH_INDEX_URL" in install
+    build_arg = services()["models"]["build"]["args"]["TORCH_INDEX_URL"]
+    assert build_arg == "${TORCH_INDEX_URL:-" + args["TORCH_INDEX_URL"].strip('"') + "}"
+
+
+def test_dockerignore_keeps_history_environments_and_caches_out():
+    lines = {ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()}
+    for path in (".git", ".venv", "**/__pycache__", ".pytest_cache", ".ruff_cache", ".env", "bench/results"):
+        assert path in lines, path
+    # Nothing the image copies is left out.
+    copied = {arg.split()[0] for op, arg in _dockerfile() if op == "COPY"}
+    assert not copied & lines, copied & lines
