@@ -76,3 +76,17 @@ def test_lone_worker_batches_a_whole_burst(redis_url, queue, rds, pq_tiny_model,
         t.join()
     assert len(shares) == 1
     assert max(seen) == 16, max(seen)  # all 16 held at once: one batch, nothing left for absent peers
+
+
+def test_jobs_left_for_a_stalled_peer_are_taken_anyway(redis_url, queue, rds, pq_tiny_model, start_worker):
+    """A live heartbeat whose worker never reads (its loop stuck): the jobs left for it are taken after the
+    grace, not held forever."""
+    c = Client(redis_url, queue=queue)
+    w = start_worker(queue, pq_tiny_model, *FLAGS)
+    wait_idle(rds, c, [w.pid])
+    ghost = {"id": "ghost", "max_num_seqs": 64, "jobs": 0, "draining": False}
+    rds.set(c.keys.worker("ghost"), json.dumps(ghost), px=120_000)
+    rds.zadd(c.keys.workers, {"ghost": int(time.time() * 1000) + 120_000})
+    time.sleep(1.5)  # the worker's view of the heartbeats turns over
+    shares = run_burst(c, 16, "ghost")
+    assert shares == Counter({next(iter(shares)): 16})
