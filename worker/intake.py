@@ -9,10 +9,16 @@ at its max_running (counted over every worker: its streams' pending entries) tak
 
 Every worker runs this over its own intake, so N workers share by the same weights. The unit is a job: jobs of
 one size share tokens by the weights too; a group of longer jobs gets more tokens per job.
+
+Spread: with other live workers that have room (from their heartbeats), a worker reads no more than its fair share
+of the load: ceil((waiting + pending on the workers with room) / their number), less what it holds already. So a
+burst on idle workers splits evenly, while a lone worker still takes the whole burst into one batch. Jobs it leaves
+for the others are taken anyway after SPREAD_GRACE_S if nobody did (a worker whose heartbeat outlives its loop).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -32,6 +38,10 @@ DEFAULT_FLOOR = 10
 # Round trips one read may take: every round but the last finds at least one stream drained (a lane's own stream,
 # whose backlog is not known before it is read, or a group's); what is left after these waits for the next read.
 MAX_ROUNDS = 6
+
+FLEET_TTL_S = 1.0  # how long the live workers read from their heartbeats are trusted
+SPREAD_GRACE_S = 0.5  # how long jobs left for other workers may wait before this one takes them anyway
+SPREAD_WAIT_MS = 100  # an idle worker that left jobs for others looks again this soon
 
 Source = tuple[str, str | None]  # a stream, as (lane, group); group None: the lane's own stream
 LANE_SPAN = 2**32  # wider than JobRequest.priority's range: the engine orders by lane first, then priority
@@ -68,12 +78,24 @@ class Intake:
         self.settings_until = -math.inf
         self.wake_ids: list[str] | None = None
         self.reap_cursors: dict[str, str] = {}
+        self.fleet: list[dict] = []  # the live workers' heartbeat records
+        self.fleet_until = -math.inf
+        self.seen_groups: dict[str, set[str]] = {lane: set() for lane in LANES}  # ready at the last look
+        self.deferred_since: float | None = None  # when this worker began leaving waiting jobs to others
 
     # ---- reading -------------------------------------------------------------------------------------------
 
-    def read(self, room: int, lanes: tuple[str, ...] = LANES, note_wake: bool = False) -> list[Taken]:
-        """Up to `room` jobs from `lanes`. note_wake: also note where every stream ends now, for wait()."""
-        ready = self._look(lanes, note_wake)
+    def read(self, room: int, lanes: tuple[str, ...] = LANES, note_wake: bool = False,
+             spread: bool = False) -> list[Taken]:
+        """Up to `room` jobs from `lanes`. note_wake: also note where every stream ends now, for wait().
+        spread: read no more than this worker's fair share while other workers have room (see the top)."""
+        streams = self._spread_streams() if spread and room > 0 and len(self._live()) > 1 else []
+        extra = [cmd for s in streams for cmd in (("xlen", (s,)), ("xpending", (s, GROUP)))]
+        ready, replies = self._look(lanes, note_wake, extra)
+        if streams:
+            room = self._fair(room, replies)
+        elif spread:
+            self.deferred_since = None
         running = self._running(ready)
         taken: list[Taken] = []
         offered: Counter[str] = Counter()
@@ -95,10 +117,14 @@ class Intake:
         self._note_lanes(taken, lanes, offered)
         return taken
 
-    def _look(self, lanes: tuple[str, ...], note_wake: bool) -> dict[str, set[str | None]]:
-        """Per lane, the streams that may hold unread jobs: its own, and its ready groups'."""
+    def _look(self, lanes: tuple[str, ...], note_wake: bool,
+              extra: list[tuple[str, tuple]]) -> tuple[dict[str, set[str | None]], list]:
+        """Per lane, the streams that may hold unread jobs: its own, and its ready groups'; and the replies to the
+        `extra` commands ((method, args) each), sent in the same round trip."""
         refresh = time.monotonic() >= self.settings_until
         pipe = self.r.pipeline(transaction=False)
+        for method, args in extra:
+            getattr(pipe, method)(*args)
         if note_wake:  # before the reads: a job queued after them rings after these ids
             for stream in self._wake_streams():
                 pipe.xrevrange(stream, count=1)
@@ -106,7 +132,11 @@ class Intake:
             pipe.smembers(self.keys.ready(lane))
         if refresh:
             pipe.hgetall(self.keys.groups)
-        replies = pipe.execute()
+        replies = pipe.execute(raise_on_error=False)
+        extra_replies, replies = replies[:len(extra)], replies[len(extra):]
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
         if note_wake:
             n = len(self._wake_streams())
             self.wake_ids = [last[0][0] if last else "0-0" for last in replies[:n]]
@@ -114,7 +144,53 @@ class Intake:
         if refresh:
             self.settings = {g: GroupSettings.parse(v) for g, v in replies.pop().items()}
             self.settings_until = time.monotonic() + SETTINGS_TTL_S
-        return {lane: {None, *members} for lane, members in zip(lanes, replies, strict=True)}
+        for lane, members in zip(lanes, replies, strict=True):
+            self.seen_groups[lane] = set(members)
+        return {lane: {None, *members} for lane, members in zip(lanes, replies, strict=True)}, extra_replies
+
+    # ---- spreading over workers ----------------------------------------------------------------------------
+
+    def _live(self) -> list[dict]:
+        """The queue's live workers' heartbeat records, read at most once per FLEET_TTL_S."""
+        if time.monotonic() >= self.fleet_until:
+            ids = self.r.zrange(self.keys.workers, 0, -1)
+            records = self.r.mget([self.keys.worker(i) for i in ids]) if ids else []
+            self.fleet = [json.loads(rec) for rec in records if rec]
+            self.fleet_until = time.monotonic() + FLEET_TTL_S
+        return self.fleet
+
+    def _spread_streams(self) -> list[str]:
+        """The streams whose backlog the spread counts: the lanes' own and the groups ready at the last look (a
+        group that turned ready since is counted from the next read on)."""
+        return [*self.keys.lane_streams(),
+                *(self.keys.stream(lane, g) for lane in LANES for g in sorted(self.seen_groups[lane]))]
+
+    def _fair(self, room: int, replies: list) -> int:
+        """How many of `room` this worker may read now: its fair share of the load over the workers with room."""
+        waiting, held = 0, Counter()
+        for length, summary in zip(replies[::2], replies[1::2], strict=True):
+            if isinstance(length, Exception) or isinstance(summary, Exception):  # no group yet: none read it
+                waiting += 0 if isinstance(length, Exception) else length
+                continue
+            waiting += max(0, length - int(summary["pending"]))
+            for c in summary.get("consumers") or []:
+                held[c["name"]] += int(c["pending"])
+        others = [w["id"] for w in self._live() if w.get("id") != self.worker_id and not w.get("draining")
+                  and held[w.get("id")] < int(w.get("max_num_seqs") or 1)]
+        if waiting == 0 or not others:
+            self.deferred_since = None
+            return room
+        share = math.ceil((waiting + held[self.worker_id] + sum(held[w] for w in others)) / (len(others) + 1))
+        limit = min(room, max(0, share - held[self.worker_id]))
+        if limit >= min(room, waiting):  # leaves nothing waiting that this worker could take
+            self.deferred_since = None
+            return room
+        now = time.monotonic()
+        if self.deferred_since is None:
+            self.deferred_since = now
+        elif now - self.deferred_since >= SPREAD_GRACE_S:  # the others did not take them: take them here
+            return room
+        return limit
 
     def _running(self, ready: dict[str, set[str | None]]) -> Counter[str]:
         """Jobs running now (over every worker) of each ready group that has a cap."""
@@ -205,6 +281,8 @@ class Intake:
             return
         streams = dict(zip(self._wake_streams(), self.wake_ids, strict=True))
         self.wake_ids = None
+        if self.deferred_since is not None:  # jobs wait for other workers: look again soon in case they do not
+            block_ms = min(block_ms, SPREAD_WAIT_MS)
         self.r.xread(streams, count=1, block=block_ms)
 
     def reap(self, room: int, idle_ms: int) -> list[Taken]:

@@ -174,7 +174,7 @@ class Worker:
                 room -= self._admit(self.intake.reap(room, self.cfg.lease_ms))
                 if room <= 0:
                     return
-            if not self._admit(self.intake.read(room, note_wake=idle)) and idle:
+            if not self._admit(self.intake.read(room, note_wake=idle, spread=True)) and idle:
                 self.intake.wait(min(self.cfg.block_ms, self.cfg.lease_ms // 2))
         except (redis_lib.ConnectionError, redis_lib.TimeoutError) as e:
             # Keep stepping what runs; take new jobs once Redis is back.
