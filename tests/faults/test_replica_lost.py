@@ -113,11 +113,54 @@ def test_the_primary_never_comes_back(pq_tiny_model, start_worker, queue):
         acked = [c.submit(r).id for r in reqs]
         wait_for(lambda: c.redis.xlen(c.keys.events(acked[0])) >= 1, 120, "the first job streaming")
         old = s.kill_primary()
+        t_kill = time.monotonic()
         s.wait_promoted(old)
+        t_promoted = time.monotonic()
         results = [_result(c, i, 180) for i in acked]
         assert [r.status for r in results] == ["completed"] * len(acked)
+        print("replica lost row:", json.dumps({
+            "acknowledged": len(acked), "completed": sum(r.status == "completed" for r in results),
+            "failover_s": round(t_promoted - t_kill, 1), "last_result_s": round(time.monotonic() - t_kill, 1)}))
         wait_for(lambda: any(r.get("unreplicated_since") for r in _records(c)), 30,
                  "a heartbeat saying unreplicated")
         assert sum(log_of(w).count(STOPPED) for w in ws) >= 1
         assert all(log_of(w).count(STOPPED) <= 1 for w in ws)
         c.close()
+
+
+def test_alone_says_it_once_reminds_and_says_when_it_resumes(caplog):
+    from worker.publisher.healing import REMIND_S, Alone
+
+    now = [100.0]
+    a = Alone(clock=lambda: now[0])
+    with caplog.at_level("WARNING", logger="pagedq.worker"):
+        a.note(True, 3, 0)
+        assert not caplog.records  # replicated all along: nothing said
+        for _ in range(5):
+            a.note(False, 2, 4)
+            now[0] += 1
+        assert [r.getMessage().count(STOPPED) for r in caplog.records] == [1] and a.since == 100.0
+        now[0] += REMIND_S
+        a.note(False, 1, 5)
+        assert "still no replica confirms writes after 65 s: 11 job ends published unreplicated, 5 written" in \
+            caplog.records[-1].getMessage()
+        a.note(True, 0, 0)
+        assert RESUMED in caplog.records[-1].getMessage() and "11 job ends" in caplog.records[-1].getMessage()
+        assert len(caplog.records) == 3 and a.since is None and a.ends == 0
+
+
+def test_the_metrics_window(monkeypatch):
+    from worker import metrics as m
+
+    now = [1000.0]
+    monkeypatch.setattr(m.time, "time", lambda: now[0])
+    x = m.Metrics("q")
+    assert x.unreplicated_since() is None
+    x.not_replicated()
+    now[0] += 5
+    x.not_replicated()
+    assert x.unreplicated_since() == 1000.0
+    now[0] += m.ALONE_GAP_S + 1
+    assert x.unreplicated_since() is None  # nothing unconfirmed for a while: replicated again
+    x.not_replicated()
+    assert x.unreplicated_since() == now[0]  # a new spell
