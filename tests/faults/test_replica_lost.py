@@ -125,6 +125,10 @@ def test_the_primary_never_comes_back(pq_tiny_model, start_worker, queue):
                  "a heartbeat saying unreplicated")
         assert sum(log_of(w).count(STOPPED) for w in ws) >= 1
         assert all(log_of(w).count(STOPPED) <= 1 for w in ws)
+        for w in ws:  # stopping alone: a short last chance for a replica, then the ends it published are let go
+            stop_process(w, 30)
+            assert w.returncode == 0, log_of(w)[-3000:]
+            assert (STOPPED in log_of(w)) == ("stopping anyway (the primary has them)" in log_of(w))
         c.close()
 
 

@@ -29,6 +29,7 @@ from worker.publisher.job_view import FINISH, JobView, StepOutput
 log = logging.getLogger("pagedq.worker")
 
 _STOP = object()
+LAST_CHANCE_S = 5.0  # stopping with ends no replica confirmed: how long they are written again before letting go
 
 
 # The writer's inbox, in order: steps, jobs that end otherwise, marks.
@@ -150,7 +151,9 @@ class RedisWriter(threading.Thread):
                 self._flush_until_written(batch)
             for n in marks:  # a mark came after everything in this batch: all of it is written now
                 self.on_flushed(n)
-        while self.healer.unconfirmed and time.monotonic() < self.give_up_at:  # stopping: a last chance to confirm
+        # Stopping: a last chance for a replica to confirm (the ends are published already: no long wait for one)
+        until = min(self.give_up_at, time.monotonic() + LAST_CHANCE_S)
+        while self.healer.unconfirmed and time.monotonic() < until:
             time.sleep(CONFIRM_RETRY_S)
             self._flush_until_written([])
         if self.healer.unconfirmed:  # published and settled already: only the replicas' copies are missing
