@@ -5,8 +5,9 @@ Durability, for the clients and the worker alike:
   that promotes a replica which lacks the last writes loses them: a submitted job, a result.
 - "replicated": every round trip of state-changing scripts ends with `WAIT <replicas> <timeout_ms>` on the same
   connection, and the write counts as done only once that many replicas confirmed it. A submit is acknowledged
-  to the producer only then (else NotReplicated); a worker settles a job's end only then (else it sends it
-  again, idempotently, until a replica confirms). Costs a replica's round trip per write; needs that many
+  to the producer only then (else NotReplicated). A worker publishes a job's end either way (the result is
+  readable), and one no replica confirmed it sends again, idempotently, until one does, saying loudly meanwhile
+  that it is unreplicated (docs/guarantees.md, "When no replica confirms"). Costs a replica's round trip per write; needs that many
   replicas attached (checked at the worker's start). Not on a Redis Cluster: WAIT names no key, so a cluster
   client cannot send it down the connection that carried the scripts.
 

@@ -4,6 +4,9 @@ The lease thread calls `beat()` every `interval_s`. The record lives `3 * interv
 (a slow Redis, a GC pause) do not make a live worker vanish, and a dead one disappears within one TTL without
 anyone cleaning up. The same round trip appends the interval's tokens and TTFT/TPOT bucket counts to the
 queue's stats stream (trimmed to the last hour), which is where the dashboard's charts come from.
+
+With durability replicated the record says `unreplicated_since` (a wall time) while no replica confirms this
+worker's writes: its job ends are published on the primary alone (docs/guarantees.md). null otherwise.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ class Heartbeat:
         dt, self.last = max(mono - self.last, 1e-6), mono
         tokens, ttft, tpot = self.metrics.window.take()
         state = self.state()
-        record = {**self.info, **state, "tokens_per_s": round(tokens / dt, 2), "interval_s": self.interval_s,
+        # The publisher logs when confirmations stop and resume; the record says it to status and the dashboard.
+        record = {**self.info, **state, "unreplicated_since": self.metrics.unreplicated_since(), "tokens_per_s": round(tokens / dt, 2), "interval_s": self.interval_s,
                   "ttl_s": self.ttl_ms / 1000, "updated_at": now}
         now_ms = int(now * 1000)
         pipe = self.r.pipeline(transaction=False)

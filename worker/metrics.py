@@ -12,6 +12,7 @@ queue exports the same values, so aggregate them with `max by (queue)`, never `s
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from worker.latency_window import TPOT_BUCKETS, TTFT_BUCKETS, LatencyWindow
@@ -22,6 +23,9 @@ STEP_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5)
 PUBLISH_BUCKETS = (.0005, .001, .0025, .005, .01, .025, .05, .1, .25)
 BATCH_SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 BATCH_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# Writes unconfirmed this close together are one spell without a replica: a writer without one writes again every
+# CONFIRM_RETRY_S plus a WAIT's timeout (worker.publisher.healing), well within this.
+ALONE_GAP_S = 10.0
 
 
 class _Nop:
@@ -52,9 +56,11 @@ class Metrics:
         self.window = LatencyWindow()
         self._lock = threading.Lock()  # the step loop and the publisher-reply thread both count jobs
         self.jobs_finished = 0
+        self.unreplicated_at: float | None = None  # the last write no replica confirmed (wall time)
+        self.alone_since: float | None = None  # when this spell of them began
         nop = _Nop()
         for name in ("jobs", "tokens", "prompt_tokens", "cached_tokens", "preemptions", "retries", "dead_letters",
-                     "lease_losses", "unreplicated", "resent_tokens", "steps", "failed_steps", "convicted", "step_seconds", "publish_seconds", "batch_seqs", "batch_tokens",
+                     "lease_losses", "unreplicated", "unreplicated_now", "resent_tokens", "steps", "failed_steps", "convicted", "step_seconds", "publish_seconds", "batch_seqs", "batch_tokens",
                      "queue_wait", "ttft", "tpot", "e2e", "running", "running_seqs", "waiting_seqs",
                      "pending_acks", "kv_free", "kv_used", "kv_total", "depth", "pending", "oldest_pending_age",
                      "oldest_waiting_age", "dlq_length", "live_workers", "lane_started", "lane_wait", "lane_ttft",
@@ -122,6 +128,8 @@ class Metrics:
         self.running_seqs = gauge("pagedq_running_sequences", "Sequences in the engine's running batch")
         self.waiting_seqs = gauge("pagedq_waiting_sequences", "Sequences admitted to the engine, waiting for room")
         self.pending_acks = gauge("pagedq_pending_acks", "Finished jobs not yet acked")
+        self.unreplicated_now = gauge("pagedq_unreplicated", "1 while this worker's writes go unconfirmed by "
+                                      "replicas (durability replicated): job ends are published on the primary alone")
         # Free equals total whenever the engine is idle; less means blocks leaked (the soak test reads these).
         self.kv_free = gauge("pagedq_kv_blocks_free", "Free KV cache blocks")
         self.kv_used = gauge("pagedq_kv_blocks_used", "KV cache blocks in use")
@@ -218,7 +226,22 @@ class Metrics:
 
     def not_replicated(self) -> None:
         """A round trip of writes whose WAIT counted fewer replicas than durability asks."""
+        now = time.time()
+        last = self.unreplicated_at
+        if last is None or now - last > ALONE_GAP_S:
+            self.alone_since = now
+        self.unreplicated_at = now
         self.unreplicated.inc()
+        self.unreplicated_now.set(1)
+
+    def unreplicated_since(self) -> float | None:
+        """When this worker's writes began to go unconfirmed by replicas (wall time), or None while replicas
+        confirm them (no unconfirmed write within ALONE_GAP_S)."""
+        last = self.unreplicated_at
+        if last is None or time.time() - last > ALONE_GAP_S:
+            self.unreplicated_now.set(0)
+            return None
+        return self.alone_since
 
     def resent(self, tokens: int) -> None:
         """Tokens sent again to a job's stream after a failover lost them there."""

@@ -5,12 +5,20 @@ tokens the stream holds; complete: GAP) and, while the job is still this worker'
 are sent again, in the same order, before anything later: the stream ends up as an undisturbed run's. Each job
 keeps the chunks it sent (JobView.sent) for that. With durability "replicated" every round trip ends with WAIT;
 a job's end that no replica confirmed is written again (complete and fail are idempotent) with the next round
-trips until one does, and is settled only then.
+trips until one does.
+
+When no replica confirms at all (the one replica is gone, or a failover promoted the last one and the old
+primary never came back), the ends are published anyway: the primary has them, so their results are readable,
+and the worker's intake room is freed (holding it would stop the worker taking queued jobs: a whole fleet could
+wait for a replica that never comes). Such ends are unreplicated: a failover now could lose them. Alone says so
+loudly: a log line the moment confirmations stop, a reminder every REMIND_S, a line when they resume; the
+worker's metrics and heartbeat say it too (worker.metrics, worker.heartbeat).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -26,6 +34,8 @@ CONFIRM_RETRY_S = 0.2  # replicated: how soon an unconfirmed end is written agai
 # Ends written again until a replica confirms them: complete and fail find a job they ended before and write
 # nothing (a release would be refused: the job is no longer this worker's, so it is not sent again).
 _REWRITABLE = ("complete", "fail")
+MAX_HELD = 512  # unconfirmed ends written again at most; older ones are let go (each costs a call per round trip)
+REMIND_S = 60.0  # while no replica confirms: how often the log says so again
 
 
 class End(NamedTuple):
@@ -76,6 +86,12 @@ class Healer:
             if e.call.script in _REWRITABLE and not isinstance(out, Exception)]
         return len(self.unconfirmed)
 
+    def cap(self) -> int:
+        """Let go of the oldest unconfirmed ends beyond MAX_HELD -> how many."""
+        n = max(0, len(self.unconfirmed) - MAX_HELD)
+        del self.unconfirmed[:n]
+        return n
+
     def give_up(self) -> int:
         """Stopping: the ends still unconfirmed are let go -> how many."""
         n, self.unconfirmed = len(self.unconfirmed), []
@@ -121,6 +137,37 @@ class Healer:
             if isinstance(out, StreamGap) and e.view.job.id in lost:
                 outs[i] = LeaseLost(f"job {e.view.job.id}: its stream lost tokens this worker cannot send again")
         return confirmed
+
+
+class Alone:
+    """Whether replicas confirm this writer's round trips; logs the moment they stop, reminds, and says when they
+    resume. `since`: when they stopped (monotonic), None while they confirm."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.since: float | None = None
+        self.ends = 0  # job ends published while no replica confirmed (this spell)
+        self.said = 0.0
+
+    def note(self, confirmed: bool, ends: int, held: int) -> None:
+        """After a round trip: whether replicas confirmed it, the new job ends it published, the ends held."""
+        now = self.clock()
+        if confirmed:
+            if self.since is not None:
+                log.warning("durability replicated: replicas confirm writes again after %.0f s; %d job ends were "
+                            "published unreplicated meanwhile", now - self.since, self.ends)
+            self.since, self.ends = None, 0
+            return
+        self.ends += ends
+        if self.since is None:
+            self.since = self.said = now
+            log.error("durability replicated: no replica confirms writes: publishing job ends anyway (results are "
+                      "readable, but only the primary has them: a failover now could lose them); the worker reports "
+                      "unreplicated until a replica confirms again")
+        elif now - self.said >= REMIND_S:
+            self.said = now
+            log.error("durability replicated: still no replica confirms writes after %.0f s: %d job ends published "
+                      "unreplicated, %d written again until one does", now - self.since, self.ends, held)
 
 
 def _gaps(chunks: list, acks, ends: list[End], outs: list) -> dict[str, tuple[JobView, int]]:

@@ -2,7 +2,8 @@
 trip per batch of them. The process hands it each step's outputs (StepOutput) and the jobs that end otherwise;
 JSON encoding and the network happen here. Whatever piled up while a round trip was in flight goes out together
 in the next one. What a failover may lose on the way (tokens a promoted replica lacks, ends no replica
-confirmed) is the healing module's to write again.
+confirmed) is the healing module's to write again. With durability replicated a job's end is published (and
+frees the worker's intake room) whether or not a replica confirmed it; healing.Alone says loudly when none does.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from producer.durability import ASYNC_DURABILITY, Durability
 from producer.errors import LeaseLost, NotReplicated
 from producer.keys import Keys
 from producer.protocol import ErrorInfo, TokenLogprob
-from worker.pipeline import note_unreplicated, run_calls
-from worker.publisher.healing import CONFIRM_RETRY_S, End, Healer
+from worker.pipeline import run_calls
+from worker.publisher.healing import CONFIRM_RETRY_S, Alone, End, Healer
 from worker.publisher.job_view import FINISH, JobView, StepOutput
 
 log = logging.getLogger("pagedq.worker")
 
 _STOP = object()
+LAST_CHANCE_S = 5.0  # stopping with ends no replica confirmed: how long they are written again before letting go
 
 
 # The writer's inbox, in order: steps, jobs that end otherwise, marks.
@@ -92,6 +94,7 @@ class RedisWriter(threading.Thread):
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.give_up_at = float("inf")
         self.healer = Healer(keys, self._run, metrics.resent)
+        self.alone = Alone()
 
     # ---- the process's side ---------------------------------------------------------------------------------
 
@@ -148,13 +151,14 @@ class RedisWriter(threading.Thread):
                 self._flush_until_written(batch)
             for n in marks:  # a mark came after everything in this batch: all of it is written now
                 self.on_flushed(n)
-        while self.healer.unconfirmed and time.monotonic() < self.give_up_at:  # stopping: a last chance to confirm
+        # Stopping: a last chance for a replica to confirm (the ends are published already: no long wait for one)
+        until = min(self.give_up_at, time.monotonic() + LAST_CHANCE_S)
+        while self.healer.unconfirmed and time.monotonic() < until:
             time.sleep(CONFIRM_RETRY_S)
             self._flush_until_written([])
-        if self.healer.unconfirmed:
+        if self.healer.unconfirmed:  # published and settled already: only the replicas' copies are missing
             n = self.healer.give_up()
-            log.error("publisher: %d job ends no replica confirmed; stopping anyway", n)
-            self.on_settled(n)
+            log.error("publisher: %d job ends no replica confirmed; stopping anyway (the primary has them)", n)
 
     def _flush_until_written(self, batch: list) -> None:
         # Every write is fenced and idempotent, so retrying a batch whose reply was lost is safe; giving up
@@ -195,9 +199,17 @@ class RedisWriter(threading.Thread):
         t = time.perf_counter()
         acks, outs, confirmed = self.healer.write(chunks, ends)
         self.metrics.publish_round_trip(time.perf_counter() - t)
-        if not confirmed:  # written, but a failover now could lose them: the ends wait for a replica
+        if not confirmed:  # written, but a failover now could lose them: the ends are written again meanwhile
             self.metrics.not_replicated()
-        self.on_settled(len(ends) - self.healer.hold(ends, outs, confirmed))
+        new = sum(1 for e in ends if not e.again)
+        held = self.healer.hold(ends, outs, confirmed)
+        dropped = self.healer.cap()
+        if dropped:
+            log.warning("publisher: %d unconfirmed job ends no longer written again (more than %d held)", dropped,
+                        held - dropped)
+        # Published, so settled: an end held back for a replica would hold the worker's intake room with it.
+        self.on_settled(new)
+        self.alone.note(confirmed, new, held - dropped)
         if chunks:
             self._read_acks([view for view, _ in chunks], acks)
         for end, out in zip(ends, outs, strict=True):
@@ -207,8 +219,7 @@ class RedisWriter(threading.Thread):
     def _run(self, todo: list[calls.Call]) -> tuple[list, bool]:
         try:
             return run_calls(self.r, todo, durability=self.durability), True
-        except NotReplicated as e:
-            note_unreplicated(e)
+        except NotReplicated as e:  # self.alone says so, once
             return e.outcomes, False
 
     def _step_calls(self, outputs: list[StepOutput], now: float, chunks: list, ends: list[End]) -> None:
