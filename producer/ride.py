@@ -15,8 +15,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from redis.exceptions import AuthenticationError, AuthorizationError, ReadOnlyError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer.errors import PagedqError
@@ -24,6 +24,8 @@ from producer.errors import PagedqError
 # ConnectionError covers refused connects, resets, LOADING (BusyLoadingError) and MasterNotFoundError (Sentinel has
 # no primary yet); READONLY is a demoted primary still answering until the client follows the new one.
 OUTAGE = (RedisConnectionError, RedisTimeoutError, ReadOnlyError)
+# Also ConnectionErrors to redis-py, but wrong settings, not an outage: waiting would only delay the answer.
+REFUSED = (AuthenticationError, AuthorizationError)
 FIRST_DELAY_S = 0.05
 MAX_DELAY_S = 1.0
 
@@ -38,10 +40,17 @@ class RedisUnavailable(PagedqError, RedisConnectionError):
         self.waited = waited
 
 
+def is_outage(err: BaseException) -> bool:
+    """Whether `err` means Redis is away for now (worth waiting for), not that it refuses this client."""
+    if not isinstance(err, OUTAGE) or isinstance(err, REFUSED):
+        return False
+    return "certificate verify failed" not in str(err).lower()  # TLS: redis-py keeps only the message
+
+
 def outage_in(reply: Any) -> BaseException | None:
     """A pipeline's reply holds errors as values: the first that stands for an outage, if any."""
     if isinstance(reply, list):
-        return next((x for x in reply if isinstance(x, OUTAGE)), None)
+        return next((x for x in reply if isinstance(x, BaseException) and is_outage(x)), None)
     return None
 
 
@@ -80,6 +89,8 @@ class Ride:
                 if err is None:
                     return reply
             except OUTAGE as e:
+                if not is_outage(e):
+                    raise
                 err = e
             since = since or time.monotonic()
             time.sleep(self._pause(err, since, delay))
@@ -95,6 +106,8 @@ class Ride:
                 if err is None:
                     return reply
             except OUTAGE as e:
+                if not is_outage(e):
+                    raise
                 err = e
             since = since or time.monotonic()
             await asyncio.sleep(self._pause(err, since, delay))
