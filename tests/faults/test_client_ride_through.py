@@ -195,3 +195,33 @@ def test_result_and_stream_ride_through_a_restart(queue, pq_tiny_model, start_wo
             # every token once, in order: what the stream yielded is the job's output
             assert [t for e in evs[:-1] for t in e.token_ids] == res.token_ids, name
         c.close()
+
+
+def test_results_ride_through_a_sentinel_failover(queue, pq_tiny_model, start_worker):
+    from redis_sentinel import SentinelSet
+
+    with SentinelSet() as s:
+        w = start_worker(queue, pq_tiny_model, *WORKER_FLAGS, "--lease-ms", "2000", url=s.url,
+                         hooks={"step-delay-ms": 30})
+        try:
+            # replicated: every acknowledged job is on the replica before the primary dies
+            c = Client(s.url, queue=queue, durability="replicated", grace=120)
+            jobs = c.submit_many([{**LONG, "id": f"{queue}-f{i}"} for i in range(4)])
+            out: dict = {}
+            threads = [threading.Thread(target=lambda j=j: out.__setitem__(j.id, c.result(j.id, timeout=240)))
+                       for j in jobs]
+            for t in threads:
+                t.start()
+            end = time.monotonic() + 120
+            while c.redis.xlen(c.keys.events(jobs[0].id)) < 3:
+                assert time.monotonic() < end
+                time.sleep(0.05)
+            assert not c.redis.exists(c.keys.result(jobs[0].id))  # the failover comes mid-job
+            s.wait_promoted(s.kill_primary())
+            for t in threads:
+                t.join(260)
+            assert sorted(out) == sorted(j.id for j in jobs)  # every waiting result() returned
+            assert all(r.status == "completed" for r in out.values()), [(r.id, r.error) for r in out.values()]
+            c.close()
+        finally:
+            w.stop(30)
