@@ -91,6 +91,13 @@ def test_a_retried_submit_that_finds_its_own_job_succeeds(redis_url, queue):
     with pytest.raises(DuplicateJobError):  # the same id with another payload is someone else's job
         flows.drive(c.redis, flows.submit(other, None, ride), ride)
     assert c.redis.xlen(c.keys.stream("default")) == 1
+    # submit_many: a batch re-sent after a lost reply finds its own jobs, and submits the rest
+    new = calls.submit(c.keys, flows.make_request(None, {"prompt": "y", "max_tokens": 4}))
+    assert flows.drive(c.redis, flows.submit_many([call, new], None, ride), ride) == [call.job_id, new.job_id]
+    with pytest.raises(DuplicateJobError) as dup:
+        flows.drive(c.redis, flows.submit_many([other], None, ride), ride)
+    assert dup.value.ids == [call.job_id]
+    assert c.redis.xlen(c.keys.stream("default")) == 2
     c.close()
 
 
@@ -121,6 +128,19 @@ def test_a_wrong_password_is_no_outage(queue):
         with pytest.raises(redis.AuthenticationError):
             c.status("x")
         assert time.monotonic() - t0 < c.grace / 2  # refused at once, not after the grace
+
+
+def test_what_counts_as_an_outage():
+    from producer.ride import is_outage
+
+    assert is_outage(redis.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused."))
+    assert is_outage(redis.BusyLoadingError("Redis is loading the dataset in memory"))
+    assert is_outage(redis.ReadOnlyError("You can't write against a read only replica."))
+    assert is_outage(redis.TimeoutError("Timeout reading from socket"))
+    assert not is_outage(redis.AuthenticationError("invalid username-password pair"))
+    assert not is_outage(redis.ConnectionError("Error 1 connecting to h:6380. [SSL: CERTIFICATE_VERIFY_FAILED] "
+                                               "certificate verify failed: unable to get local issuer certificate"))
+    assert not is_outage(redis.ResponseError("WRONGTYPE"))
 
 
 @pytest.mark.slow
