@@ -19,7 +19,8 @@ from producer.ride import Ride, address_of, deadline_of
 class AsyncClient:
     """`AsyncClient(url, queue="default")`, as Client: url None is $REDIS_URL, else redis://localhost:6379/0; a
     Redis Cluster is found out from any node's URL, a redis+sentinel:// URL finds the primary through Sentinel;
-    durability "replicated" (None: $PAGEDQ_DURABILITY, else "async") acknowledges a submit once a replica has it."""
+    durability "replicated" (None: $PAGEDQ_DURABILITY, else "async") acknowledges a submit once a replica has it;
+    grace: as Client's, how long a call rides through a Redis outage."""
 
     def __init__(self, url: str | None = None, queue: str = defaults.QUEUE, *, redis: aredis.Redis | None = None,
                  limits: Limits | None = None, result_ttl: int = defaults.RESULT_TTL_S,

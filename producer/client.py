@@ -35,7 +35,8 @@ class Client:
     """`Client(url, queue="default")`. url None: $REDIS_URL, else redis://localhost:6379/0. A Redis Cluster is
     found out from any node's URL; `redis+sentinel://host1:26379,host2:26379/<service>` finds the primary through
     Sentinel. durability "replicated" (None: $PAGEDQ_DURABILITY, else "async"): a submit or cancel returns once a
-    replica has it, else raises NotReplicated."""
+    replica has it, else raises NotReplicated. grace (default 30): seconds a call rides through a Redis restart or
+    failover, retrying with backoff, before it raises RedisUnavailable; 0: at once (docs/clients.md)."""
 
     def __init__(self, url: str | None = None, queue: str = defaults.QUEUE, *, redis: redis_lib.Redis | None = None,
                  limits: Limits | None = None, result_ttl: int = defaults.RESULT_TTL_S,
