@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from redis.exceptions import AuthenticationError, AuthorizationError, ReadOnlyError
+from redis.exceptions import AuthenticationError, AuthorizationError, MaxConnectionsError, ReadOnlyError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -24,8 +24,9 @@ from producer.errors import PagedqError
 # ConnectionError covers refused connects, resets, LOADING (BusyLoadingError) and MasterNotFoundError (Sentinel has
 # no primary yet); READONLY is a demoted primary still answering until the client follows the new one.
 OUTAGE = (RedisConnectionError, RedisTimeoutError, ReadOnlyError)
-# Also ConnectionErrors to redis-py, but wrong settings, not an outage: waiting would only delay the answer.
-REFUSED = (AuthenticationError, AuthorizationError)
+# Also ConnectionErrors to redis-py, but wrong settings or a full pool, not an outage: waiting would only delay
+# the answer (a full pool is the caller's own back-pressure, e.g. `pagedq serve` answering 503).
+REFUSED = (AuthenticationError, AuthorizationError, MaxConnectionsError)
 FIRST_DELAY_S = 0.05
 MAX_DELAY_S = 1.0
 
@@ -43,6 +44,8 @@ class RedisUnavailable(PagedqError, RedisConnectionError):
 def is_outage(err: BaseException) -> bool:
     """Whether `err` means Redis is away for now (worth waiting for), not that it refuses this client."""
     if not isinstance(err, OUTAGE) or isinstance(err, REFUSED):
+        return False
+    if isinstance(err.__cause__, TimeoutError):  # a blocking pool's wait for a free connection ran out
         return False
     return "certificate verify failed" not in str(err).lower()  # TLS: redis-py keeps only the message
 

@@ -141,6 +141,10 @@ def test_what_counts_as_an_outage():
     assert not is_outage(redis.ConnectionError("Error 1 connecting to h:6380. [SSL: CERTIFICATE_VERIFY_FAILED] "
                                                "certificate verify failed: unable to get local issuer certificate"))
     assert not is_outage(redis.ResponseError("WRONGTYPE"))
+    assert not is_outage(redis.exceptions.MaxConnectionsError("Too many connections"))
+    busy = redis.ConnectionError("No connection available.")
+    busy.__cause__ = TimeoutError()
+    assert not is_outage(busy)  # a full blocking pool: the caller's back-pressure, not Redis away
 
 
 @pytest.mark.slow
