@@ -24,13 +24,14 @@ if TYPE_CHECKING:
         Timings,
         Usage,
     )
+    from producer.ride import RedisUnavailable
 
 _HOMES = {
     "AsyncClient": "producer.async_client", "AsyncJob": "producer.async_client",
     "Client": "producer.client", "Job": "producer.client",
     "DuplicateJobError": "producer.errors", "JobNotFound": "producer.errors", "LeaseLost": "producer.errors",
     "PagedqError": "producer.errors",
-    "Keys": "producer.keys",
+    "Keys": "producer.keys", "RedisUnavailable": "producer.ride",
     "ErrorInfo": "producer.protocol", "JobRequest": "producer.protocol", "JobResult": "producer.protocol",
     "Limits": "producer.protocol", "Message": "producer.protocol", "StreamEvent": "producer.protocol",
     "Timings": "producer.protocol", "Usage": "producer.protocol",
@@ -38,7 +39,8 @@ _HOMES = {
 
 __all__ = [
     "AsyncClient", "AsyncJob", "Client", "DuplicateJobError", "ErrorInfo", "Job", "JobNotFound", "JobRequest",
-    "JobResult", "Keys", "LeaseLost", "Limits", "Message", "PagedqError", "StreamEvent", "Timings", "Usage",
+    "JobResult", "Keys", "LeaseLost", "Limits", "Message", "PagedqError", "RedisUnavailable", "StreamEvent",
+    "Timings", "Usage",
 ]
 
 

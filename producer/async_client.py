@@ -9,26 +9,39 @@ import redis.asyncio as aredis
 
 from producer import calls, defaults, flows
 from producer.client import block_chunk_ms, durability_for
-from producer.connection import connect_async
+from producer.connection import connect_async, redact, resolve_url
 from producer.durability import Durability
+
+# By name: a test that counts the round trips of serve's own flows.adrive (monkeypatched) leaves these alone.
+from producer.flows import adrive, adrive_iter
 from producer.keys import Keys
 from producer.protocol import JobRequest, JobResult, Limits, StreamEvent
+from producer.ride import Ride, address_of, deadline_of
 
 
 class AsyncClient:
     """`AsyncClient(url, queue="default")`, as Client: url None is $REDIS_URL, else redis://localhost:6379/0; a
     Redis Cluster is found out from any node's URL, a redis+sentinel:// URL finds the primary through Sentinel;
-    durability "replicated" (None: $PAGEDQ_DURABILITY, else "async") acknowledges a submit once a replica has it."""
+    durability "replicated" (None: $PAGEDQ_DURABILITY, else "async") acknowledges a submit once a replica has it;
+    grace: as Client's, how long a call rides through a Redis outage."""
 
     def __init__(self, url: str | None = None, queue: str = defaults.QUEUE, *, redis: aredis.Redis | None = None,
                  limits: Limits | None = None, result_ttl: int = defaults.RESULT_TTL_S,
-                 durability: Durability | str | None = None) -> None:
+                 durability: Durability | str | None = None, grace: float = defaults.RIDE_GRACE_S) -> None:
         self.redis = redis if redis is not None else connect_async(url, decode_responses=True)
         self.keys = Keys(queue)
         self.limits = limits or Limits()
         self.result_ttl = result_ttl
         self.block_chunk_ms = block_chunk_ms(self.redis)
         self.durability = durability_for(self.redis, durability)
+        if grace is None or grace < 0:
+            raise ValueError(f"grace must be seconds >= 0 (0: no retries through an outage), got {grace!r}")
+        self.grace = grace
+        self.where = redact(resolve_url(url)) if redis is None else address_of(self.redis)
+
+    def _ride(self, timeout: float | None = None) -> Ride:
+        """A fresh retry state for one call; `timeout`: the call's own, which an outage does not extend."""
+        return Ride(self.grace, self.where, deadline_of(timeout))
 
     def _request(self, request: JobRequest | dict | None, fields: dict[str, Any]) -> JobRequest:
         req = flows.make_request(request, fields)
@@ -37,14 +50,16 @@ class AsyncClient:
 
     async def submit(self, request: JobRequest | dict | None = None, /, **fields: Any) -> AsyncJob:
         req = self._request(request, fields)
-        await flows.adrive(self.redis, flows.run_call(calls.submit(self.keys, req), self.durability))
+        ride = self._ride()
+        await adrive(self.redis, flows.submit(calls.submit(self.keys, req), self.durability, ride), ride)
         return AsyncJob(self, req.id)
 
     async def submit_many(self, requests: Iterable[JobRequest | dict]) -> list[AsyncJob]:
         reqs = [self._request(r, {}) for r in requests]
         try:
-            ids = await flows.adrive(self.redis, flows.submit_many([calls.submit(self.keys, r) for r in reqs],
-                                                                   self.durability))
+            ride = self._ride()
+            flow = flows.submit_many([calls.submit(self.keys, r) for r in reqs], self.durability, ride)
+            ids = await adrive(self.redis, flow, ride)
         except calls.DuplicateJobError as e:
             e.jobs = [AsyncJob(self, i) for i in e.jobs]
             raise
@@ -54,20 +69,21 @@ class AsyncClient:
         return AsyncJob(self, job_id)
 
     async def status(self, job_id: str) -> str:
-        return await flows.adrive(self.redis, flows.status(self.keys, job_id))
+        return await adrive(self.redis, flows.status(self.keys, job_id), self._ride())
 
     async def result(self, job_id: str, timeout: float | None = None) -> JobResult:
-        return await flows.adrive(self.redis, flows.result(self.keys, job_id, timeout, self.block_chunk_ms))
+        return await adrive(self.redis, flows.result(self.keys, job_id, timeout, self.block_chunk_ms),
+                            self._ride(timeout))
 
     def stream(self, job_id: str, timeout: float | None = None, after: str = "0-0", choice: int | None = None
                ) -> AsyncIterator[StreamEvent]:
         """As Client.stream."""
-        return flows.adrive_iter(self.redis, flows.stream(self.keys, job_id, timeout, after, self.block_chunk_ms,
-                                                          choice))
+        flow = flows.stream(self.keys, job_id, timeout, after, self.block_chunk_ms, choice)
+        return adrive_iter(self.redis, flow, self._ride(timeout))
 
     async def cancel(self, job_id: str) -> str:
-        return await flows.adrive(self.redis, flows.run_call(calls.cancel(self.keys, job_id, self.result_ttl),
-                                                             self.durability))
+        flow = flows.run_call(calls.cancel(self.keys, job_id, self.result_ttl), self.durability)
+        return await adrive(self.redis, flow, self._ride())
 
     async def close(self) -> None:
         await self.redis.aclose()

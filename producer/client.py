@@ -9,10 +9,11 @@ from typing import Any
 import redis as redis_lib
 
 from producer import calls, defaults, flows
-from producer.connection import connect, is_cluster, socket_timeout_of
+from producer.connection import connect, is_cluster, redact, resolve_url, socket_timeout_of
 from producer.durability import Durability
 from producer.keys import Keys
 from producer.protocol import JobRequest, JobResult, Limits, StreamEvent
+from producer.ride import Ride, address_of, deadline_of
 
 
 def block_chunk_ms(r) -> int:
@@ -34,20 +35,29 @@ class Client:
     """`Client(url, queue="default")`. url None: $REDIS_URL, else redis://localhost:6379/0. A Redis Cluster is
     found out from any node's URL; `redis+sentinel://host1:26379,host2:26379/<service>` finds the primary through
     Sentinel. durability "replicated" (None: $PAGEDQ_DURABILITY, else "async"): a submit or cancel returns once a
-    replica has it, else raises NotReplicated."""
+    replica has it, else raises NotReplicated. grace (default 30): seconds a call rides through a Redis restart or
+    failover, retrying with backoff, before it raises RedisUnavailable; 0: at once (docs/clients.md)."""
 
     def __init__(self, url: str | None = None, queue: str = defaults.QUEUE, *, redis: redis_lib.Redis | None = None,
                  limits: Limits | None = None, result_ttl: int = defaults.RESULT_TTL_S,
-                 durability: Durability | str | None = None) -> None:
+                 durability: Durability | str | None = None, grace: float = defaults.RIDE_GRACE_S) -> None:
         self.redis = redis if redis is not None else connect(url, decode_responses=True)
         self.keys = Keys(queue)
         self.limits = limits or Limits()
         self.result_ttl = result_ttl
         self.block_chunk_ms = block_chunk_ms(self.redis)
         self.durability = durability_for(self.redis, durability)
+        if grace is None or grace < 0:
+            raise ValueError(f"grace must be seconds >= 0 (0: no retries through an outage), got {grace!r}")
+        self.grace = grace
+        self.where = redact(resolve_url(url)) if redis is None else address_of(self.redis)
 
-    def _run(self, flow: flows.Flow) -> Any:
-        return flows.drive(self.redis, flow)
+    def _ride(self, timeout: float | None = None) -> Ride:
+        """A fresh retry state for one call; `timeout`: the call's own, which an outage does not extend."""
+        return Ride(self.grace, self.where, deadline_of(timeout))
+
+    def _run(self, flow: flows.Flow, ride: Ride | None = None) -> Any:
+        return flows.drive(self.redis, flow, ride or self._ride())
 
     def _request(self, request: JobRequest | dict | None, fields: dict[str, Any]) -> JobRequest:
         req = flows.make_request(request, fields)
@@ -56,9 +66,11 @@ class Client:
 
     def submit(self, request: JobRequest | dict | None = None, /, **fields: Any) -> Job:
         """Enqueue one job: `submit(prompt=..., max_tokens=64)`, `submit(messages=[...])` or
-        `submit(JobRequest(...))`. Raises DuplicateJobError when a job with this id exists."""
+        `submit(JobRequest(...))`. Raises DuplicateJobError when a job with this id exists. Rides through a Redis
+        outage of up to `grace` seconds: a retry that finds this call's own job stored is success."""
         req = self._request(request, fields)
-        self._run(flows.run_call(calls.submit(self.keys, req), self.durability))
+        ride = self._ride()
+        self._run(flows.submit(calls.submit(self.keys, req), self.durability, ride), ride)
         return Job(self, req.id)
 
     def submit_many(self, requests: Iterable[JobRequest | dict]) -> list[Job]:
@@ -66,7 +78,9 @@ class Client:
         is submitted, then DuplicateJobError lists the refused ids (and carries the submitted jobs)."""
         reqs = [self._request(r, {}) for r in requests]
         try:
-            ids = self._run(flows.submit_many([calls.submit(self.keys, r) for r in reqs], self.durability))
+            ride = self._ride()
+            ids = self._run(flows.submit_many([calls.submit(self.keys, r) for r in reqs], self.durability, ride),
+                            ride)
         except calls.DuplicateJobError as e:
             e.jobs = [Job(self, i) for i in e.jobs]
             raise
@@ -80,8 +94,9 @@ class Client:
 
     def result(self, job_id: str, timeout: float | None = None) -> JobResult:
         """Wait for the job's result; blocks on its event stream (XREAD BLOCK), no polling.
-        Raises TimeoutError after `timeout` seconds, JobNotFound for an unknown id."""
-        return self._run(flows.result(self.keys, job_id, timeout, self.block_chunk_ms))
+        Raises TimeoutError after `timeout` seconds, JobNotFound for an unknown id; keeps waiting through a Redis
+        outage within both `timeout` and the client's grace."""
+        return self._run(flows.result(self.keys, job_id, timeout, self.block_chunk_ms), self._ride(timeout))
 
     def stream(self, job_id: str, timeout: float | None = None, after: str = "0-0", choice: int | None = None
                ) -> Iterator[StreamEvent]:
@@ -89,7 +104,7 @@ class Client:
         then one terminal event ("done", "error" or "cancelled") that carries the result. A job with several
         continuations (n > 1) interleaves theirs, each event's `index` saying which; `choice` keeps one."""
         return flows.drive_iter(self.redis, flows.stream(self.keys, job_id, timeout, after, self.block_chunk_ms,
-                                                         choice))
+                                                         choice), self._ride(timeout))
 
     def cancel(self, job_id: str) -> str:
         """Cancel a job. Returns "cancelled" (it was queued), "cancelling" (it runs; the worker stops it soon),

@@ -11,3 +11,4 @@ DLQ_CAP = 10_000  # dead letters kept per queue (approximately: MAXLEN ~)
 DURABILITY = "async"  # or "replicated": each write waits for replicas (WAIT; producer.durability)
 DURABILITY_REPLICAS = 1  # replicated: replicas that must confirm a write
 DURABILITY_TIMEOUT_MS = 1000  # replicated: how long one WAIT waits for them
+RIDE_GRACE_S = 30.0  # clients retry through a Redis restart or failover this long before giving up (0: never)

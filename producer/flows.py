@@ -98,9 +98,38 @@ def run_call(call: Call, durability: Durability | None = None) -> Flow:
     return out
 
 
-def submit_many(calls: Sequence[Call[str]], durability: Durability | None = None) -> Flow:
-    """Submit jobs in one round trip; a duplicate id anywhere raises once, naming all of them."""
+def is_own(call: Call) -> Flow:
+    """Whether the job a submit call names is the one this very call stored (its reply was lost to an outage):
+    the stored enqueued_at is the call's own, or the queued payload is the same."""
+    job, payload, enqueued_at = call.keys[0], call.args[1], call.args[2]
+    at, entry_id, stream = yield Cmd("hmget", (job, ["enqueued_at", "entry", "stream"]))
+    if at is not None and at == enqueued_at:
+        return True
+    if not (entry_id and stream):  # taken off its stream already: only enqueued_at could have told
+        return False
+    entry = yield Cmd("xrange", (stream, entry_id, entry_id))
+    return bool(entry) and entry[0][1].get("job") == payload
+
+
+def submit(call: Call[str], durability: Durability | None = None, ride: Any = None) -> Flow:
+    """Submit one job. After a retry through an outage (ride.retried), a DUPLICATE that is this call's own job is
+    success: the job id is the idempotency key."""
+    try:
+        return (yield from run_call(call, durability))
+    except DuplicateJobError:
+        if ride is None or not ride.retried or not (yield from is_own(call)):
+            raise
+        return call.job_id
+
+
+def submit_many(calls: Sequence[Call[str]], durability: Durability | None = None, ride: Any = None) -> Flow:
+    """Submit jobs in one round trip; a duplicate id anywhere raises once, naming all of them (after a retry
+    through an outage, not those that are this round trip's own jobs)."""
     outs = yield from run_calls(calls, durability)
+    if ride is not None and ride.retried:
+        for i, (c, o) in enumerate(zip(calls, outs, strict=True)):
+            if isinstance(o, DuplicateJobError) and (yield from is_own(c)):
+                outs[i] = c.job_id
     dups = [c.job_id for c, o in zip(calls, outs, strict=True) if isinstance(o, DuplicateJobError)]
     for o in outs:
         if isinstance(o, Exception) and not isinstance(o, DuplicateJobError):
@@ -274,8 +303,9 @@ def execute(r, op: Cmd | Pipe | Offload) -> Any:
     return getattr(r, op.name)(*op.args, **op.kwargs)
 
 
-def drive_iter(r, flow: Flow) -> Iterator[StreamEvent]:
-    """Run a flow on a sync client, yielding what it emits; returns the flow's value."""
+def drive_iter(r, flow: Flow, ride: Any = None) -> Iterator[StreamEvent]:
+    """Run a flow on a sync client, yielding what it emits; returns the flow's value. ride (producer.ride.Ride):
+    each operation is sent again through a Redis outage."""
     reply = None
     while True:
         try:
@@ -286,12 +316,12 @@ def drive_iter(r, flow: Flow) -> Iterator[StreamEvent]:
             reply = None
             yield op.event
         else:
-            reply = execute(r, op)
+            reply = execute(r, op) if ride is None else ride.call(execute, r, op)
 
 
-def drive(r, flow: Flow) -> Any:
+def drive(r, flow: Flow, ride: Any = None) -> Any:
     """Run a flow that emits nothing on a sync client; returns its value."""
-    it = drive_iter(r, flow)
+    it = drive_iter(r, flow, ride)
     try:
         while True:
             next(it)
@@ -310,7 +340,7 @@ async def aexecute(r, op: Cmd | Pipe | Offload) -> Any:
     return await getattr(r, op.name)(*op.args, **op.kwargs)
 
 
-async def adrive_iter(r, flow: Flow) -> AsyncIterator[StreamEvent]:
+async def adrive_iter(r, flow: Flow, ride: Any = None) -> AsyncIterator[StreamEvent]:
     """Run a flow on an asyncio client, yielding what it emits."""
     reply = None
     while True:
@@ -322,10 +352,10 @@ async def adrive_iter(r, flow: Flow) -> AsyncIterator[StreamEvent]:
             reply = None
             yield op.event
         else:
-            reply = await aexecute(r, op)
+            reply = await (aexecute(r, op) if ride is None else ride.acall(aexecute, r, op))
 
 
-async def adrive(r, flow: Flow) -> Any:
+async def adrive(r, flow: Flow, ride: Any = None) -> Any:
     """Run a flow that emits nothing on an asyncio client; returns its value."""
     reply = None
     while True:
@@ -333,4 +363,4 @@ async def adrive(r, flow: Flow) -> Any:
             op = flow.send(reply)
         except StopIteration as stop:
             return stop.value
-        reply = await aexecute(r, op)
+        reply = await (aexecute(r, op) if ride is None else ride.acall(aexecute, r, op))
