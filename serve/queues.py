@@ -129,7 +129,8 @@ class Queues:
     def client(self, queue: str) -> AsyncClient:
         c = self._clients.get(queue)
         if c is None:
-            c = self._clients[queue] = AsyncClient(redis=self.redis, queue=queue)
+            # Its calls (status, cancel) ride through a Redis outage as long as serve's event readers do.
+            c = self._clients[queue] = AsyncClient(redis=self.redis, queue=queue, grace=self.config.redis_grace_s)
         return c
 
     async def submit(self, client: AsyncClient, request: JobRequest) -> None:
