@@ -16,7 +16,7 @@ from producer.durability import Durability
 from producer.flows import adrive, adrive_iter
 from producer.keys import Keys
 from producer.protocol import JobRequest, JobResult, Limits, StreamEvent
-from producer.ride import Ride, address_of, deadline_of
+from producer.ride import Ride, address_of, checked_grace, deadline_of
 
 
 class AsyncClient:
@@ -34,9 +34,7 @@ class AsyncClient:
         self.result_ttl = result_ttl
         self.block_chunk_ms = block_chunk_ms(self.redis)
         self.durability = durability_for(self.redis, durability)
-        if grace is None or grace < 0:
-            raise ValueError(f"grace must be seconds >= 0 (0: no retries through an outage), got {grace!r}")
-        self.grace = grace
+        self.grace = checked_grace(grace)
         self.where = redact(resolve_url(url)) if redis is None else address_of(self.redis)
 
     def _ride(self, timeout: float | None = None) -> Ride:

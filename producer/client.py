@@ -13,7 +13,7 @@ from producer.connection import connect, is_cluster, redact, resolve_url, socket
 from producer.durability import Durability
 from producer.keys import Keys
 from producer.protocol import JobRequest, JobResult, Limits, StreamEvent
-from producer.ride import Ride, address_of, deadline_of
+from producer.ride import Ride, address_of, checked_grace, deadline_of
 
 
 def block_chunk_ms(r) -> int:
@@ -47,9 +47,7 @@ class Client:
         self.result_ttl = result_ttl
         self.block_chunk_ms = block_chunk_ms(self.redis)
         self.durability = durability_for(self.redis, durability)
-        if grace is None or grace < 0:
-            raise ValueError(f"grace must be seconds >= 0 (0: no retries through an outage), got {grace!r}")
-        self.grace = grace
+        self.grace = checked_grace(grace)
         self.where = redact(resolve_url(url)) if redis is None else address_of(self.redis)
 
     def _ride(self, timeout: float | None = None) -> Ride:

@@ -82,6 +82,12 @@ class Ride:
         # Jitter: many clients that lost the same server should not all come back in the same millisecond.
         return max(0.0, min(delay * random.uniform(0.5, 1.0), end - now))
 
+    def _after(self, err: BaseException, since: float | None, delay: float) -> tuple[float, float, float]:
+        """A try failed for want of Redis -> (when the outage began, the pause before the next try, the delay
+        after that one); raises once the grace or the call's deadline is spent."""
+        since = since or time.monotonic()
+        return since, self._pause(err, since, delay), min(delay * 2, MAX_DELAY_S)
+
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args), sent again through an outage (sync)."""
         since, delay = None, FIRST_DELAY_S
@@ -95,9 +101,8 @@ class Ride:
                 if not is_outage(e):
                     raise
                 err = e
-            since = since or time.monotonic()
-            time.sleep(self._pause(err, since, delay))
-            delay = min(delay * 2, MAX_DELAY_S)
+            since, pause, delay = self._after(err, since, delay)
+            time.sleep(pause)
 
     async def acall(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         """await fn(*args), sent again through an outage (asyncio)."""
@@ -112,9 +117,15 @@ class Ride:
                 if not is_outage(e):
                     raise
                 err = e
-            since = since or time.monotonic()
-            await asyncio.sleep(self._pause(err, since, delay))
-            delay = min(delay * 2, MAX_DELAY_S)
+            since, pause, delay = self._after(err, since, delay)
+            await asyncio.sleep(pause)
+
+
+def checked_grace(grace: float) -> float:
+    """A client's grace argument, refused with a clear error where it is not seconds >= 0."""
+    if grace is None or grace < 0:
+        raise ValueError(f"grace must be seconds >= 0 (0: no retries through an outage), got {grace!r}")
+    return grace
 
 
 def deadline_of(timeout: float | None) -> float | None:
