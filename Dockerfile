@@ -3,21 +3,27 @@
 # torch: TORCH_INDEX_URL picks the build. The default, PyTorch's CPU index, keeps a CPU image free of the ~2.5 GB of
 # CUDA wheels that PyPI's default torch pulls in. For CUDA GPUs (docker-compose.gpu.yml does this):
 #   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 -t pagedq:cuda .
-# An empty TORCH_INDEX_URL installs from the pip index the build uses (PyPI, or a mirror set with PIP_INDEX_URL).
+# An empty TORCH_INDEX_URL installs from the pip index the build uses (PyPI, or a mirror: PIP_INDEX_URL below).
 FROM python:3.11-slim
 ARG TORCH_SPEC="torch==2.13.0"
 ARG TORCH_INDEX_URL="https://download.pytorch.org/whl/cpu"
+# pip's own settings, passed through when given (a mirror, a wheel folder served over HTTP, a proxy's host); unset
+# by default, so pip uses PyPI: `docker build --build-arg PIP_INDEX_URL=https://mirror.example/simple .`
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_FIND_LINKS
+ARG PIP_TRUSTED_HOST
 # The CPU kernels live in the image, outside the cache volume that replicas share: built below for the CPU the image
 # is built on; a host whose CPU differs builds its own at the first start, into the container's layer.
 ENV PYTHONUNBUFFERED=1 PAGEDQ_CACHE=/cache PAGEDQ_KERNELS_DIR=/opt/pagedq/kernels
 WORKDIR /app
-# g++: the CPU path compiles its C++ kernels (kernels/build.py) for the CPU it runs on.
+# g++: the CPU path compiles its C++ kernels (pagedq_kernels/build.py) for the CPU it runs on.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 # PyTorch's indexes also carry torch's own dependencies (filelock, sympy, ...).
 RUN pip install --no-cache-dir ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
 COPY pyproject.toml README.md ./
 COPY engine engine
-COPY kernels kernels
+COPY pagedq_kernels pagedq_kernels
 COPY producer producer
 COPY worker worker
 COPY monitor monitor

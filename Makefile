@@ -7,7 +7,7 @@ PY ?= $(shell if [ -x .venv/bin/python ]; then echo .venv/bin/python; \
 	elif $(SYSTEM_PY) -c 'import os, sys, sysconfig; sys.exit(sys.prefix == sys.base_prefix and os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")))'; \
 	then echo $(SYSTEM_PY); else echo .venv/bin/python; fi)
 
-.PHONY: setup demo test quick lint bench gpu-check-prepare gpu-check
+.PHONY: setup demo test quick lint bench compose-test gpu-check-prepare gpu-check
 
 # torch first, pinned: a bare `torch` requirement can pull a multi-GB CUDA build where a CPU one will do.
 setup: $(if $(filter .venv/bin/python,$(PY)),.venv/bin/python)
@@ -44,6 +44,11 @@ test:
 # tests/README.md says which folder holds what.
 quick:
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow" $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+
+# The compose stack end to end on a real Docker engine (README: "With Docker Compose"): builds the image, brings it
+# up, an OpenAI SDK chat, 20 host jobs, a crashed worker, a draining stop. Minutes; not part of `make test`.
+compose-test:
+	PAGEDQ_COMPOSE_TEST=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q -rs tests/ops/test_compose_up.py
 
 lint:
 	$(PY) -m ruff check .

@@ -25,8 +25,8 @@ def build(cache_dir) -> None:
     CPU differs builds its own at the first start."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     from engine.weights.loader import cache_root
-    from kernels import build as kernel_build
-    from kernels import cpu_ops
+    from pagedq_kernels import build as kernel_build
+    from pagedq_kernels import cpu_ops
 
     root = kernel_build.default_root(cache_root(cache_dir))
     start = time.monotonic()

@@ -43,7 +43,7 @@ class EngineConfig:
     # CPU, bfloat16: linear weights reordered once at load, for AMX tiles (engine.weights.packed.TileLinear) or else
     # oneDNN; faster.
     prepack_weights: bool = True
-    # CPU, and the triton backend on a GPU: "auto" keeps a GGUF's block formats (kernels/quant_layout.py READERS), or
+    # CPU, and the triton backend on a GPU: "auto" keeps a GGUF's block formats (pagedq_kernels/quant_layout.py READERS), or
     # an AWQ/GPTQ checkpoint's integers, quantized in memory (engine.weights.quantized); "none" dequantizes them to
     # float; "int8" makes weight-only per-channel int8 of any float model's weights, "int4" group-wise 4-bit (blocks
     # of 32, round to nearest).

@@ -60,10 +60,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def quant_backend():
-    """The CPU backend, where it has a quantized kernel (kernels/cpu_quant.cpp); the test is skipped, saying why,
+    """The CPU backend, where it has a quantized kernel (pagedq_kernels/cpu_quant.cpp); the test is skipped, saying why,
     where it has none. Its linear_paths["quantized"] names the path ("avx512_vnni", "avx2")."""
     from engine.weights.loader import cache_root
-    from kernels import build, get_backend
+    from pagedq_kernels import build, get_backend
 
     backend = get_backend("auto", "cpu", build.default_root(cache_root()))
     if backend.name != "cpu":
@@ -239,7 +239,7 @@ def pytest_report_header(config) -> list[str]:
     lines = [f"cpu: {model} ({os.cpu_count()} cores): {', '.join(isa) or 'no AVX2'}"]
     try:
         from engine.weights.loader import cache_root
-        from kernels import build, cpu_ops
+        from pagedq_kernels import build, cpu_ops
 
         why = cpu_ops.load(build.default_root(cache_root()))
     except Exception as e:  # the header must never stop the run

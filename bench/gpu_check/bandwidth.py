@@ -77,7 +77,7 @@ def attention_bandwidth(device: str, budget: Budget, model: str = "", smoke: boo
     """Decode attention in bf16 (fp16 on a CPU) over a paged cache whose blocks are shuffled."""
     import torch
 
-    from kernels import triton_ops
+    from pagedq_kernels import triton_ops
 
     dtype = torch.float16 if smoke else torch.bfloat16
     if smoke:

@@ -7,7 +7,7 @@ far it got):
    may change in the cache, padding rows' slot -1 included), attention is dense float64 attention over those
    expected caches. Decode, prefill, chunked and mixed batches, forced and automatic split-K, padding rows
    (seq_len 0) with split-K, a 40,000-block cache. Then what each compiled variant uses (registers, spills,
-   shared memory), as the GPU's driver loaded it. And the quantized matmul (kernels/triton_quant.py, bench.gpu_check.quant):
+   shared memory), as the GPU's driver loaded it. And the quantized matmul (pagedq_kernels/triton_quant.py, bench.gpu_check.quant):
    every weight layout and dtype against a float64 matmul, its weights against Blocks.dequantize() bit for bit, and
    decode-shaped timings against F.linear on bfloat16 weights (reported, never a target).
 2. bandwidth: decode attention, batch {1, 8, 64, 256} x context {512, 2048, 8192}, timed inside CUDA graphs over

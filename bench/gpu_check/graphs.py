@@ -142,7 +142,7 @@ def steady(engine, batch: int, steps: int, device: str, check_sync: bool = True)
     except Exception as e:
         if not _is_host_sync(e):
             raise
-        row.update(host_sync=str(e).splitlines()[0], where=_tail(e, 4, ("engine", "kernels")))
+        row.update(host_sync=str(e).splitlines()[0], where=_tail(e, 4, ("engine", "pagedq_kernels")))
         return row
     _sync(device)
     row["steps_per_s"] = steps / (time.perf_counter() - t0)

@@ -74,10 +74,10 @@ def run_kernel_case(case: KernelCase, device: str, ops=None, seed: int = 0) -> d
     """store_kv then attention of one case through `ops` (the Triton ops), each against a host-side oracle."""
     import torch
 
-    from kernels import testing as t
+    from pagedq_kernels import testing as t
 
     if ops is None:
-        from kernels import triton_ops as ops
+        from pagedq_kernels import triton_ops as ops
     dtype = getattr(torch, case.dtype)
     hq, hkv = case.heads
     d = case.head_dim
@@ -121,7 +121,7 @@ def check_kernels(device: str, budget: Budget, model: str = "", smoke: bool = Fa
         except Exception as e:  # noqa: BLE001 (a case that crashes is a wrong case; the others still run)
             out["cases"].append({"dtype": case.dtype, "case": case.name, "ok": False,
                                  "error": f"{type(e).__name__}: {e}", "traceback": _tail(e)})
-    quant = out["quantized"] = check_quantized(device, budget, smoke)  # kernels/triton_quant.py, the same budget
+    quant = out["quantized"] = check_quantized(device, budget, smoke)  # pagedq_kernels/triton_quant.py, the same budget
     if quant.get("stopped"):
         out["stopped"] = "; ".join(filter(None, [out.get("stopped"), f"quantized: {quant['stopped']}"]))
     out["ok"] = all(c["ok"] for c in out["cases"]) and out["quantized"]["ok"]
@@ -135,7 +135,7 @@ def compiled_resources() -> list[dict] | dict:
     try:
         from triton.runtime.jit import JITFunction
 
-        from kernels import triton_ops, triton_quant
+        from pagedq_kernels import triton_ops, triton_quant
 
         rows = []
         for name, fn in [*vars(triton_ops).items(), *vars(triton_quant).items()]:

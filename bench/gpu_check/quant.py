@@ -1,4 +1,4 @@
-"""gpu-check's quantized cases (part of its kernels section): kernels/triton_quant.py on the device.
+"""gpu-check's quantized cases (part of its kernels section): pagedq_kernels/triton_quant.py on the device.
 
 Correctness, held: every layout (4-bit blocks of 32 with float16 or float32 scales, 8-bit blocks of 32 and of 16),
 bf16/fp16/fp32 inputs, a decode row count (split-K), a few rows (unsplit K) and a prefill one, an odd N, with bias,
@@ -33,7 +33,7 @@ TIMED_LAYOUTS = ("Q4_0-like", "Q8_0-like")
 def make_blocks(bits: int, block: int, exact16: bool, n: int, k: int, seed: int = 0):
     """Random Blocks as a GGUF reader makes them: scale a float16 d (times a 6-bit integer unless exact16), min
     -2**(bits - 1) scale."""
-    from kernels.quant_layout import Blocks
+    from pagedq_kernels.quant_layout import Blocks
 
     rng = np.random.default_rng(seed)
     d = (rng.random((n, k // block)) * 1e-3 + 1e-4).astype(np.float16).astype(np.float32)
@@ -46,7 +46,7 @@ def _case(device: str, layout: tuple, dtype_name: str, rows: int, n: int, k: int
     import torch
     import torch.nn.functional as F
 
-    from kernels import triton_quant
+    from pagedq_kernels import triton_quant
 
     name, bits, block, exact16 = layout
     blocks = make_blocks(bits, block, exact16, n, k, seed)
@@ -66,7 +66,7 @@ def _case(device: str, layout: tuple, dtype_name: str, rows: int, n: int, k: int
 def _exact(device: str, layout: tuple, k: int = 256) -> dict:
     import torch
 
-    from kernels import triton_quant
+    from pagedq_kernels import triton_quant
 
     name, bits, block, exact16 = layout
     blocks = make_blocks(bits, block, exact16, 72, k, seed=k)
@@ -89,7 +89,7 @@ def _timing(device: str, what: str, n: int, k: int, layout: tuple, rows: int) ->
     import torch
     import torch.nn.functional as F
 
-    from kernels import triton_quant
+    from pagedq_kernels import triton_quant
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float16
     name, bits, block, exact16 = layout

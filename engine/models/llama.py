@@ -14,7 +14,7 @@ from engine.parallel.shard import Shard, split_heads
 from engine.weights.checkpoint import dequantized, scheme
 from engine.weights.names import SUFFIXES, fused
 from engine.weights.packed import PanelLinear
-from kernels import Backend, torch_ops
+from pagedq_kernels import Backend, torch_ops
 
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 

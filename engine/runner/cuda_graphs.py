@@ -13,7 +13,7 @@ import time
 import torch
 
 from engine.runner.decode_buffers import DecodeBuffers
-from kernels import Backend
+from pagedq_kernels import Backend
 
 log = logging.getLogger("pagedq.engine")
 

@@ -15,7 +15,7 @@ import torch
 from engine.models.llama import AttnContext
 from engine.runner.staging import Staging
 from engine.runner.step_inputs import StepInputs
-from kernels import Backend
+from pagedq_kernels import Backend
 
 
 def padded_sizes(max_num_seqs: int) -> list[int]:

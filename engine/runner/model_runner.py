@@ -30,7 +30,7 @@ from engine.weights.checkpoint import scheme
 from engine.weights.loader import cache_root, gguf_source
 from engine.weights.packed import PanelLinear, pack_linears
 from engine.weights.quantized import LayerReport, check_mode, quantize, summary
-from kernels import build, get_backend
+from pagedq_kernels import build, get_backend
 
 log = logging.getLogger("pagedq.engine")
 

@@ -15,7 +15,7 @@ import torch
 
 from engine.runner.staging import Staging
 from engine.sampling_params import SamplingParams
-from kernels import torch_ops
+from pagedq_kernels import torch_ops
 
 Argmax = Callable[[torch.Tensor], torch.Tensor]
 # Below this a temperature is greedy in all but name, and logits / temperature can leave float32 (inf, then NaN

@@ -1,8 +1,8 @@
-"""Group-wise quantized safetensors checkpoints (AWQ, GPTQ) read into kernels/quant_layout.Blocks.
+"""Group-wise quantized safetensors checkpoints (AWQ, GPTQ) read into pagedq_kernels/quant_layout.Blocks.
 
 Who owns what: a checkpoint's tensor formats and layer names are engine/weights' (this module reads AWQ's and
 GPTQ's packed integers, checkpoint.py their config and layers, names.py the layer maps); the block layout the
-kernels multiply is kernels/quant_layout's, and this module only fills its Blocks. So nothing here is in kernels/,
+kernels multiply is pagedq_kernels/quant_layout's, and this module only fills its Blocks. So nothing here is in pagedq_kernels/,
 which would otherwise hold a checkpoint format it never runs.
 
 Both formats store a linear layer of K inputs and N outputs as integers q of `bits` bits with, per group of inputs
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels.quant_layout import Blocks
+from pagedq_kernels.quant_layout import Blocks
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column each nibble of an AWQ int32 holds
 BLOCK = 32  # inputs a block of the quantized kernel's 4- and 8-bit layouts

@@ -24,7 +24,7 @@ import torch
 
 from engine.weights.awq_gptq import Groups, read_awq, read_gptq
 from engine.weights.names import FUSED, part_count
-from kernels.quant_layout import Blocks, stack
+from pagedq_kernels.quant_layout import Blocks, stack
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """CPU linear layers with their weights reordered once, at load: into panels for pagedq's own kernel where the CPU
-has a path for the dtype (kernels/cpu_linear.cpp: AMX tiles or AVX-512 BF16 dot products for bfloat16, AVX-512
+has a path for the dtype (pagedq_kernels/cpu_linear.cpp: AMX tiles or AVX-512 BF16 dot products for bfloat16, AVX-512
 multiply-adds for float32; PanelLinear), else into oneDNN's layout (PackedLinear).
 
 A decode step reads every weight once for a few rows, so the weights streaming from memory set its pace: the

@@ -1,7 +1,7 @@
 """Linear layers whose weights stay quantized in memory, swapped in after a CPU model has loaded its float weights.
 
 The sources (EngineConfig.quantization):
-- "auto", a GGUF model: every linear layer whose GGUF tensors are all of block formats kernels/quant_layout.py reads
+- "auto", a GGUF model: every linear layer whose GGUF tensors are all of block formats pagedq_kernels/quant_layout.py reads
   (READERS) keeps the file's blocks, repacked losslessly; a layer with a tensor of another type keeps the float
   path, and the log says which;
 - "auto", an AWQ or GPTQ safetensors checkpoint: its group-wise integers, also losslessly
@@ -9,10 +9,10 @@ The sources (EngineConfig.quantization):
 - "int8": weight-only int8, one scale per output column, made at load from the float weights of any model;
 - "int4": weight-only asymmetric 4-bit per block of 32 inputs (round to nearest), made at load likewise (lm_head
   int8).
-Either way the layer multiplies with kernels/cpu_quant.cpp (AVX-512 VNNI, else AVX2; activations quantized per row
+Either way the layer multiplies with pagedq_kernels/cpu_quant.cpp (AVX-512 VNNI, else AVX2; activations quantized per row
 and block to int8). A fused layer (qkv, gate_up) whose parts differ in format takes the widest of their layouts,
 still exactly.
-On the triton backend (GPU) the same layers run kernels/triton_quant.py's dequantize-matmul instead.
+On the triton backend (GPU) the same layers run pagedq_kernels/triton_quant.py's dequantize-matmul instead.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from engine.weights import gguf_index
 from engine.weights.checkpoint import read_checkpoint, scheme
 from engine.weights.names import GGUF_PARTS
 from engine.weights.packed import PanelLinear, fuses_activation
-from kernels import quant_layout
-from kernels.quant_layout import Blocks, stack
+from pagedq_kernels import quant_layout
+from pagedq_kernels.quant_layout import Blocks, stack
 
 log = logging.getLogger("pagedq.engine")
 
@@ -47,7 +47,7 @@ class LayerReport:
 
 class QuantLinear(PanelLinear):
     """A PanelLinear on quantized panels: the same op (panel_linear hands uint8 weights to the quantized kernel), so
-    the C++ decoder stack (kernels/cpu_model.cpp) runs it as it runs the float panels."""
+    the C++ decoder stack (pagedq_kernels/cpu_model.cpp) runs it as it runs the float panels."""
 
     def __init__(self, blocks: Blocks, bias: torch.Tensor | None, ops, fmt: str, gated: bool = False) -> None:
         """gated: blocks are an MLP's [gate; up] rows, packed so that the layer returns silu(gate) * up (bfloat16
@@ -164,7 +164,7 @@ def _swap(modules: dict[str, nn.Module], name: str, blocks: Blocks, fmt: str, ba
     a QuantLinear for the CPU kernel, a TritonQuantLinear on the triton backend."""
     old = modules[name]
     if path == "triton":  # imported here: a CPU install may have no triton
-        from kernels.triton_quant import TritonQuantLinear
+        from pagedq_kernels.triton_quant import TritonQuantLinear
 
         new = TritonQuantLinear(blocks, old.bias, fmt, old.weight.device)
     else:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 
-SCOPE = ("engine.", "kernels.triton_ops")
+SCOPE = ("engine.", "pagedq_kernels.triton_ops")
 STAGING = "engine.runner.staging"  # makes host buffers and reads them by design: only its copies are checked
 CREATES = {"tensor", "as_tensor", "asarray"}  # torch functions
 READS = {"tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"}  # tensor methods

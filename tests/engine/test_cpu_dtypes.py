@@ -62,7 +62,7 @@ def test_prepacked_weights_give_the_same_tokens(tiny_model, arch, dtype):
 def test_layers_the_panels_do_not_fit_go_to_onednn():
     if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         pytest.skip("this torch build has no oneDNN prepacked linear")
-    from kernels import Backend, build, get_backend
+    from pagedq_kernels import Backend, build, get_backend
 
     def model() -> nn.Module:
         torch.manual_seed(0)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine.weights import awq_gptq
-from kernels import quant_layout
+from pagedq_kernels import quant_layout
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # name -> (method, group, sym, checkpoint_format, desc_act)

@@ -67,7 +67,7 @@ def shape_launches(hq: int, hkv: int, d: int, bs: int, dtype_name: str) -> list:
     a long block table, as CUDA-graph decode runs it) and a mixed prefill + decode batch."""
     import torch
 
-    from kernels import triton_ops
+    from pagedq_kernels import triton_ops
 
     dtype = getattr(torch, DTYPES[dtype_name])
     cache = torch.zeros(64, bs, hkv, d, dtype=dtype)
@@ -106,8 +106,8 @@ def quant_launches(dtype_name: str) -> list:
     import numpy as np
     import torch
 
-    from kernels import triton_quant
-    from kernels.quant_layout import Blocks
+    from pagedq_kernels import triton_quant
+    from pagedq_kernels.quant_layout import Blocks
 
     dtype = getattr(torch, DTYPES[dtype_name])
     with recording(triton_quant) as launches:

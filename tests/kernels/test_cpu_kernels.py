@@ -1,4 +1,4 @@
-"""The C++ kernels of the CPU path (kernels/cpu_attention.cpp, cpu_prefill.cpp, cpu_layers.cpp, cpu_sampling.cpp,
+"""The C++ kernels of the CPU path (pagedq_kernels/cpu_attention.cpp, cpu_prefill.cpp, cpu_layers.cpp, cpu_sampling.cpp,
 cpu_linear.cpp, built on first use) against the torch ops they replace, the engine on them, and how a backend is
 chosen on a CPU with and without a compiler. Kernel paths this CPU lacks are skipped by name; tests/conftest.py
 prints which ran."""
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from engine.weights.loader import cache_root
-from kernels import build, cpu_ops, get_backend, torch_ops
-from kernels.testing import attend, oracle, random_batch, rel_err, store, with_padding_rows
+from pagedq_kernels import build, cpu_ops, get_backend, torch_ops
+from pagedq_kernels.testing import attend, oracle, random_batch, rel_err, store, with_padding_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -127,7 +127,7 @@ PROBE = """
 import json, logging, sys
 from pathlib import Path
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
-from kernels import get_backend, torch_ops
+from pagedq_kernels import get_backend, torch_ops
 auto = get_backend("auto", "cpu", Path(sys.argv[1]))
 try:
     get_backend("cpu", "cpu", Path(sys.argv[1]))

@@ -1,4 +1,4 @@
-"""Building the CPU kernels once per environment, safely (kernels/build.py): a build killed halfway never blocks the
+"""Building the CPU kernels once per environment, safely (pagedq_kernels/build.py): a build killed halfway never blocks the
 next start, racing starts build once, a held lock is waited for within a bound, and the key tells environments
 apart."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import build
+from pagedq_kernels import build
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,7 +25,7 @@ import logging, sys, time
 from pathlib import Path
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 import torch
-from kernels import build, cpu_ops
+from pagedq_kernels import build, cpu_ops
 build.SOURCES, build.HEADERS = [Path(sys.argv[2])], []
 t = time.monotonic()
 why = cpu_ops.load(Path(sys.argv[1]))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels import torch_ops
+from pagedq_kernels import torch_ops
 
 
 def reference(q, k_seqs, v_seqs, q_lens, scale):
@@ -69,7 +69,7 @@ def test_mixed_batch_matches_dense(hq, hkv, dtype):
 def test_copy_blocks_copies_whole_blocks_of_every_layer(backend, dtype):
     """Copy-on-write's op (issue 24): block pairs[0][i] into pairs[1][i], keys and values of every layer, nothing
     else touched; on each backend (the C++ path's memcpy, the Triton kernel)."""
-    from kernels import get_backend
+    from pagedq_kernels import get_backend
 
     try:
         copy = get_backend(backend, "cpu").copy_blocks

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import quant_layout
+from pagedq_kernels import quant_layout
 
 gguf = pytest.importorskip("gguf")
 QTYPES = gguf.GGMLQuantizationType
@@ -83,7 +83,7 @@ TORCH_LIBRARY(pagedq_quant_avx2, m) {
 @pytest.fixture(scope="module")
 def avx2_ops():
     from engine.weights.loader import cache_root
-    from kernels import build
+    from pagedq_kernels import build
 
     flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
     if platform.machine() != "x86_64" or not {"avx2", "fma"} <= set(flags):
@@ -131,7 +131,7 @@ def weights(fmt: str, n: int, k: int) -> quant_layout.Blocks:
 
 
 def test_shapes_cover_every_layout():
-    """The kernel tests below run each of kernels/cpu_quant.cpp's layouts: 4- and 8-bit u in blocks of 32 with
+    """The kernel tests below run each of pagedq_kernels/cpu_quant.cpp's layouts: 4- and 8-bit u in blocks of 32 with
     float32 scales and mins, float16 ones, or float16 scales alone (symmetric), 8-bit in blocks of 16."""
     def layout(b):
         return b.bits, b.block, quant_layout.half_scales(b), quant_layout.symmetric(b)
@@ -202,7 +202,7 @@ def test_gated_kernel_is_silu_and_mul_of_the_projection(quant_backend, ops, fmt)
     path = quant_backend.linear_paths["quantized"]
     if path != "avx512_vnni":
         pytest.skip(f"avx512_vnni: gated is the AVX-512 kernel's only, and this CPU runs {path}")
-    from kernels import cpu_ops
+    from pagedq_kernels import cpu_ops
 
     blocks = weights(fmt, 64, 512)  # gate rows 0-31, up rows 32-63: two pairs of panels
     plain = torch.from_numpy(quant_layout.pack(blocks))
@@ -235,7 +235,7 @@ def test_scales_past_float16_stay_float32():
 
 
 def test_mixed_formats_stack_in_the_widest_layout():
-    from kernels.quant_layout import stack
+    from pagedq_kernels.quant_layout import stack
 
     q4, q6 = quant_layout.read_q4_k(raw_blocks("Q4_K", 4, 256)), quant_layout.read_q6_k(raw_blocks("Q6_K", 2, 256))
     both = stack([q4, q6])

@@ -4,9 +4,9 @@ unwritten slots hold NaN."""
 import pytest
 import torch
 
-from kernels import torch_ops, triton_ops
-from kernels.testing import attend, oracle, random_batch, with_padding_rows
-from kernels.testing import rel_err as _rel_err
+from pagedq_kernels import torch_ops, triton_ops
+from pagedq_kernels.testing import attend, oracle, random_batch, with_padding_rows
+from pagedq_kernels.testing import rel_err as _rel_err
 
 DECODE = [(12, 1), (3, 1), (70, 1), (0, 1), (33, 1)]
 PREFILL = [(0, 9), (0, 40), (0, 1), (0, 17)]
@@ -181,7 +181,7 @@ def test_padding_rows_read_nothing():
 
 
 def test_backend_choice(monkeypatch):
-    from kernels import get_backend
+    from pagedq_kernels import get_backend
 
     torch_backend = get_backend("torch", "cpu")  # "auto" on a CPU: tests/kernels/test_cpu_kernels.py
     assert torch_backend.paged_attention is torch_ops.paged_attention and not torch_backend.graph_safe

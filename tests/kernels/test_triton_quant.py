@@ -1,4 +1,4 @@
-"""The Triton dequantize-matmul (kernels/triton_quant.py) under TRITON_INTERPRET=1 (set in conftest): weights equal
+"""The Triton dequantize-matmul (pagedq_kernels/triton_quant.py) under TRITON_INTERPRET=1 (set in conftest): weights equal
 to Blocks.dequantize()'s bit for bit, products against a float matmul of the same weights for every format, odd
 shapes and tails, both launch shapes; and the engine on the triton backend with weights kept quantized."""
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import quant_layout, triton_quant
-from kernels.quant_layout import Blocks
+from pagedq_kernels import quant_layout, triton_quant
+from pagedq_kernels.quant_layout import Blocks
 
 gguf = pytest.importorskip("gguf")
 FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
@@ -109,7 +109,7 @@ def test_every_gguf_format(fmt, m):
 @pytest.mark.parametrize("parts, layout", [(("Q4_K", "Q6_K"), (8, 16)), (("Q4_1", "Q8_0"), (8, 32)),
                                            (("Q4_0", "Q4_K"), (4, 32))])
 def test_fused_layers_of_mixed_formats(parts, layout):
-    from kernels.quant_layout import stack
+    from pagedq_kernels.quant_layout import stack
 
     blocks = stack([gguf_blocks(f, 16 + 8 * i, 256, seed=i) for i, f in enumerate(parts)])
     assert (blocks.bits, blocks.block) == layout
@@ -178,7 +178,7 @@ def test_bad_inputs_say_what_is_wrong():
 
 
 def test_triton_backend_advertises_the_quantized_path():
-    from kernels import get_backend
+    from pagedq_kernels import get_backend
 
     backend = get_backend("triton", "cpu")  # the interpreter
     assert backend.linear_paths["quantized"] == "triton"

@@ -131,7 +131,7 @@ def test_serve_and_workers_have_healthchecks():
     svcs = services()
     serve_port = svcs["serve"]["command"][svcs["serve"]["command"].index("--port") + 1]
     assert f"http://127.0.0.1:{serve_port}/health" in _probe(svcs["serve"])
-    assert any(p.endswith(f":{serve_port}:{serve_port}") for p in svcs["serve"]["ports"])
+    assert any(p.endswith(f":{serve_port}") for p in svcs["serve"]["ports"])
     workers = [svcs["worker"], services(FILES[1])["worker-tp2"]]
     for w in workers:
         port = w["environment"]["PAGEDQ_METRICS_PORT"]
@@ -243,8 +243,12 @@ def test_the_torch_index_is_a_build_argument_with_a_cpu_default():
     assert args["TORCH_INDEX_URL"].strip('"').endswith("/whl/cpu")
     install = next(arg for op, arg in _dockerfile() if op == "RUN" and "TORCH_SPEC" in arg)
     assert "--index-url" in install and "TORCH_INDEX_URL" in install
-    build_arg = services()["models"]["build"]["args"]["TORCH_INDEX_URL"]
-    assert build_arg == "${TORCH_INDEX_URL:-" + args["TORCH_INDEX_URL"].strip('"') + "}"
+    build_args = dict(a.partition("=")[::2] for a in services()["models"]["build"]["args"])
+    # `-`, not `:-`: TORCH_INDEX_URL set empty means "the pip index", as it does for `docker build`.
+    assert build_args["TORCH_INDEX_URL"] == "${TORCH_INDEX_URL-" + args["TORCH_INDEX_URL"].strip('"') + "}"
+    # pip's own settings pass through to the build, declared in the Dockerfile without a default (unset: PyPI).
+    declared = {arg for op, arg in _dockerfile() if op == "ARG" and "=" not in arg}
+    assert {"PIP_INDEX_URL", "PIP_FIND_LINKS"} <= declared & {a for a, v in build_args.items() if not v}
 
 
 def test_dockerignore_keeps_history_environments_and_caches_out():

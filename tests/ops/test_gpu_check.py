@@ -16,7 +16,7 @@ import torch
 from click.testing import CliRunner
 
 from bench import gpu_check
-from kernels import torch_ops
+from pagedq_kernels import torch_ops
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -234,7 +234,7 @@ def test_steady_reports_a_host_sync_and_other_errors_propagate():
 
     with pytest.raises(ValueError) as e:
         EngineConfig(dtype="float8")
-    where = gpu_check._tail(e.value, 4, ("engine", "kernels"))
+    where = gpu_check._tail(e.value, 4, ("engine", "pagedq_kernels"))
     assert len(where) == 1 and where[0].startswith("engine/config.py:") and where[0].endswith("in __post_init__")
 
 
@@ -300,7 +300,7 @@ def test_prepare_writes_a_small_folder_that_runs_without_the_model_package(tiny_
     # tiny model; --model <that folder> then makes random weights of its shape, once, in the pagedq cache.
     import bench.random_model
     from engine.weights.loader import cache_root
-    from kernels import build
+    from pagedq_kernels import build
 
     tiny = Path(tiny_model("llama"))  # from the usual cache, before PAGEDQ_CACHE points at an empty one
     # The CPU kernels too (built by `make setup`): the engine below would otherwise build them afresh in the empty

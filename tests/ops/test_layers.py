@@ -23,15 +23,21 @@ ROOT = Path(__file__).resolve().parents[2]
 # Package -> the packages of ours it may import. From the top: the command line; the benchmarks; the HTTP front;
 # the worker; the operator views; the engine; its kernels; the producer (the protocol and the clients).
 ALLOWED = {
-    "cli": {"bench", "serve", "worker", "monitor", "engine", "kernels", "producer"},
-    "bench": {"serve", "worker", "monitor", "engine", "kernels", "producer"},
+    "cli": {"bench", "serve", "worker", "monitor", "engine", "pagedq_kernels", "producer"},
+    "bench": {"serve", "worker", "monitor", "engine", "pagedq_kernels", "producer"},
     "serve": {"monitor", "producer"},
     "worker": {"engine", "producer"},
     "monitor": {"producer"},
-    "engine": {"kernels"},
-    "kernels": set(),
+    "engine": {"pagedq_kernels"},
+    "pagedq_kernels": set(),
     "producer": set(),
 }
+
+
+# Top-level names that other distributions install: a package of ours by one of these names would share a folder in
+# site-packages with theirs, and whichever is installed later overwrites the other's files. Hugging Face's `kernels`,
+# which transformers 5.25 requires, did that to our kernels package (now pagedq_kernels) in a fresh image.
+TAKEN = {"kernels"}
 
 
 def _packages() -> set[str]:
@@ -53,6 +59,29 @@ def _imports(path: Path) -> list[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             out.append((node.lineno, node.module))
     return out
+
+
+def _installed_top_levels() -> dict[str, str]:
+    """Top-level package or module name -> the installed distribution (other than ours) that provides it."""
+    import importlib.metadata
+
+    found = {}
+    for dist in importlib.metadata.distributions():
+        if (dist.metadata["Name"] or "").lower() == "pagedq":
+            continue
+        for line in (dist.read_text("top_level.txt") or "").split():
+            found[line] = dist.metadata["Name"]
+        for file in dist.files or ():
+            if len(file.parts) > 1 and file.parts[-1] == "__init__.py":
+                found[file.parts[0]] = dist.metadata["Name"]
+    return found
+
+
+def test_no_other_distribution_installs_a_package_of_ours():
+    installed = _installed_top_levels()
+    clashes = {name: installed.get(name, "a known distribution (TAKEN)") for name in _packages()
+               if name in installed or name in TAKEN}
+    assert not clashes, f"packages of ours whose names other distributions install too: {clashes}"
 
 
 def test_every_package_has_its_place():

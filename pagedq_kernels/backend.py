@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from kernels import torch_ops
+from pagedq_kernels import torch_ops
 
 
 class StoreKV(Protocol):

@@ -1,7 +1,7 @@
 """Linear layers whose weights stay quantized on the GPU: out = x @ W.T (+ bias), W dequantized tile by tile in
 registers by a Triton kernel, never written out in float.
 
-The layout (`QuantWeight`, made from kernels.quant_layout.Blocks: weight = scale * u + min per block of inputs):
+The layout (`QuantWeight`, made from pagedq_kernels.quant_layout.Blocks: weight = scale * u + min per block of inputs):
 - u, [N, K] uint8 for 8 bits; [N, K / 2] uint8 for 4 bits, input 2i in the low nibble and 2i + 1 in the high one.
   Rows are output columns and contiguous along K, so a tile's loads run along memory.
 - scale and min, [N, K / block], float16 where every value of the layer is exact in float16 (Q8_0, Q4_0 and Q4_1
@@ -39,8 +39,8 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from kernels.quant_layout import Blocks, exact_in_half
-from kernels.triton_ops import _num_sms
+from pagedq_kernels.quant_layout import Blocks, exact_in_half
+from pagedq_kernels.triton_ops import _num_sms
 
 DECODE_ROWS = 16  # rows up to which the split-K decode shape runs
 MAX_SPLITS = 16

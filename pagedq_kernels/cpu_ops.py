@@ -1,8 +1,8 @@
-"""The CPU path in C++: decode and prefill attention that read the KV blocks in place (kernels/cpu_attention.cpp,
-kernels/cpu_prefill.cpp, which needs AVX-512), where the torch path gathers each sequence's blocks into a copy and
-attends over it; RMSNorm, rotary and (bfloat16) SiLU-and-multiply as one pass each (kernels/cpu_layers.cpp); keys
-and values stored with a copy per token; linear layers of our own on packed weight panels (kernels/cpu_linear.cpp,
-used by engine.weights.packed). kernels/build.py compiles them; `load` makes them torch.ops.pagedq.* here.
+"""The CPU path in C++: decode and prefill attention that read the KV blocks in place (pagedq_kernels/cpu_attention.cpp,
+pagedq_kernels/cpu_prefill.cpp, which needs AVX-512), where the torch path gathers each sequence's blocks into a copy and
+attends over it; RMSNorm, rotary and (bfloat16) SiLU-and-multiply as one pass each (pagedq_kernels/cpu_layers.cpp); keys
+and values stored with a copy per token; linear layers of our own on packed weight panels (pagedq_kernels/cpu_linear.cpp,
+used by engine.weights.packed). pagedq_kernels/build.py compiles them; `load` makes them torch.ops.pagedq.* here.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from pathlib import Path
 
 import torch
 
-from kernels import build, torch_ops
+from pagedq_kernels import build, torch_ops
 
 _lock = threading.Lock()
 _state: dict[str, str | None] = {}  # build root -> None when loaded, else why the kernels are not available
 
 
 def load(root: Path) -> str | None:
-    """Build (once per environment, see kernels/build.py) and load the kernels: None once they are usable, else why
+    """Build (once per environment, see pagedq_kernels/build.py) and load the kernels: None once they are usable, else why
     not (no compiler, a failed build, another process's build that never finished)."""
     with _lock:
         if str(root) not in _state:
@@ -44,7 +44,7 @@ def _load(root: Path) -> str | None:
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """kernels.torch_ops.store_kv's contract: one copy per token in C++ where the dtypes and layout allow it."""
+    """pagedq_kernels.torch_ops.store_kv's contract: one copy per token in C++ where the dtypes and layout allow it."""
     if slot_mapping.numel() == 0:
         return
     if k.dtype != k_cache.dtype or not (_heads_contiguous(k) and _heads_contiguous(v)):
@@ -54,7 +54,7 @@ def store_kv(
 
 
 def copy_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
-    """kernels.torch_ops.copy_blocks's contract: a memcpy per block, layer and keys or values, spread over threads."""
+    """pagedq_kernels.torch_ops.copy_blocks's contract: a memcpy per block, layer and keys or values, spread over threads."""
     if pairs.shape[1]:
         torch.ops.pagedq.copy_blocks(kv_cache, pairs.contiguous())
 
@@ -118,7 +118,7 @@ def paged_attention(
     scale: float,
     plan: dict | None = None,
 ) -> torch.Tensor:
-    """kernels.torch_ops.paged_attention's contract in C++: one-token queries to the decode kernel, longer ones
+    """pagedq_kernels.torch_ops.paged_attention's contract in C++: one-token queries to the decode kernel, longer ones
     (prompts, chunks) to the prefill kernel; head shapes neither is built for go to the torch ops. plan: a dict kept
     for the step (AttnContext.plan), where what every layer would derive alike is derived once."""
     cached = plan.get(__name__) if plan is not None else None
@@ -139,7 +139,7 @@ def paged_attention(
     return out
 
 
-# The elementwise layers (kernels/cpu_layers.cpp), for LlamaForCausalLM.use_fast_layers.
+# The elementwise layers (pagedq_kernels/cpu_layers.cpp), for LlamaForCausalLM.use_fast_layers.
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -165,7 +165,7 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: tor
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """kernels.torch_ops.silu_and_mul in one C++ pass for bfloat16 (torch's roundings); float32 stays in torch, whose
+    """pagedq_kernels.torch_ops.silu_and_mul in one C++ pass for bfloat16 (torch's roundings); float32 stays in torch, whose
     SiLU the float32 greedy parity is held to."""
     rows = x.reshape(-1, x.shape[-1])
     inter = x.shape[-1] // 2
@@ -182,14 +182,14 @@ def _silu_and_mul_built() -> bool:
     return bool(torch.ops.pagedq.silu_and_mul_built())
 
 
-# Linear layers on weight panels (kernels/cpu_linear.cpp), for engine.weights.packed.
+# Linear layers on weight panels (pagedq_kernels/cpu_linear.cpp), for engine.weights.packed.
 
 
 def linear_paths() -> dict[str, str]:
     """dtype name -> how this CPU multiplies its panels ("amx", "avx512_bf16", "avx512"), for the dtypes it can; and
     "quantized" -> "avx512_vnni", "avx_vnni" or "avx2" where quantized weights have a kernel (engine.weights.quantized)."""
     paths = {dtype: torch.ops.pagedq.panel_linear_path(dtype) for dtype in ("float32", "bfloat16")}
-    paths["quantized"] = torch.ops.pagedq.quant_linear_path()  # weights kept quantized (kernels/cpu_quant.cpp)
+    paths["quantized"] = torch.ops.pagedq.quant_linear_path()  # weights kept quantized (pagedq_kernels/cpu_quant.cpp)
     return {dtype: path for dtype, path in paths.items() if path}
 
 
@@ -213,7 +213,7 @@ def panel_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-# The whole decoder stack in one C++ call a step (kernels/cpu_model.cpp), for engine.models.llama.
+# The whole decoder stack in one C++ call a step (pagedq_kernels/cpu_model.cpp), for engine.models.llama.
 
 
 class Decoder:
@@ -221,7 +221,7 @@ class Decoder:
     backend, without the few hundred op calls from Python a step makes."""
 
     LAYER = ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias", "down",
-             "down_bias", "q_norm", "k_norm", "k_cache", "v_cache")  # kernels/cpu_model.h's order
+             "down_bias", "q_norm", "k_norm", "k_cache", "v_cache")  # pagedq_kernels/cpu_model.h's order
 
     def __init__(self, layers: list[dict[str, torch.Tensor | None]], embed: torch.Tensor, norm: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, dims: tuple[int, ...], eps: float, scale: float) -> None:
@@ -251,7 +251,7 @@ _ARGMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's first maximum (kernels/cpu_sampling.cpp): the greedy tokens of [rows, vocab] logits."""
+    """Each row's first maximum (pagedq_kernels/cpu_sampling.cpp): the greedy tokens of [rows, vocab] logits."""
     vocab_rows = logits.dim() == 2 and logits.stride(-1) == 1 and logits.shape[1] > 0
     if not vocab_rows or logits.dtype not in _ARGMAX_DTYPES:
         return torch_ops.argmax(logits)

@@ -14,8 +14,8 @@ import logging
 import tempfile
 from pathlib import Path
 
-from kernels import torch_ops
-from kernels.backend import TORCH, Backend
+from pagedq_kernels import torch_ops
+from pagedq_kernels.backend import TORCH, Backend
 
 log = logging.getLogger("pagedq.kernels")
 
@@ -48,19 +48,19 @@ def get_backend(name: str, device: str, build_root: Path | None = None) -> Backe
 
 def _triton(device: str) -> Backend:
     try:
-        from kernels import triton_ops
+        from pagedq_kernels import triton_ops
     except ImportError as e:
         raise ValueError(f"attention_backend='triton' is not available here: {e}") from e
     why = triton_ops.runnable(device)
     if why:
         raise ValueError(f"attention_backend='triton' cannot run here: {why}; use attention_backend='torch'")
-    # linear_paths: quantized weights run kernels/triton_quant.py (engine.weights.quantized)
+    # linear_paths: quantized weights run pagedq_kernels/triton_quant.py (engine.weights.quantized)
     return Backend("triton", triton_ops.store_kv, triton_ops.paged_attention, graph_safe=True,
                    copy_blocks=triton_ops.copy_blocks, linear_paths={"quantized": "triton"})
 
 
 def _cpu(build_root: Path | None, fallback: bool) -> Backend:
-    from kernels import cpu_ops
+    from pagedq_kernels import cpu_ops
 
     why = cpu_ops.load(build_root or Path(tempfile.gettempdir()) / "pagedq-kernels")
     if why is None:

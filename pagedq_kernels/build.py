@@ -1,4 +1,4 @@
-"""Building the C++ CPU kernels (kernels/cpu_*.cpp) once per environment, safely.
+"""Building the C++ CPU kernels (pagedq_kernels/cpu_*.cpp) once per environment, safely.
 
 The library is compiled with this machine's compiler for the CPU it runs on, into a folder named by a key of
 everything the binary depends on: the sources and flags, the CPU's flags, the interpreter and environment, the

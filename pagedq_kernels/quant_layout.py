@@ -1,4 +1,4 @@
-"""Quantized weights in the layout of kernels/cpu_quant.cpp, made from GGUF blocks or float weights.
+"""Quantized weights in the layout of pagedq_kernels/cpu_quant.cpp, made from GGUF blocks or float weights.
 
 Every format is first read as the same three arrays, which hold the weights exactly: each weight is
 scale * u + min, u an unsigned integer of `bits` bits ([N, K] uint8), scale and min float32 per row and block of
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-COLS = 16  # output columns a panel (kernels/cpu_quant.cpp's kCols)
+COLS = 16  # output columns a panel (pagedq_kernels/cpu_quant.cpp's kCols)
 
 
 @dataclass
@@ -214,7 +214,7 @@ def exact_in_half(a: np.ndarray) -> bool:
 
 def half_scales(blocks: Blocks) -> bool:
     """Whether pack stores these blocks' scales and mins as float16 (lossless: every one is a float16; blocks of 32
-    only, kernels/cpu_quant.cpp's layouts): Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 store theirs so."""
+    only, pagedq_kernels/cpu_quant.cpp's layouts): Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 store theirs so."""
     return blocks.block == 32 and exact_in_half(blocks.scale) and exact_in_half(blocks.min)
 
 
@@ -234,7 +234,7 @@ def gated_order(n: int) -> np.ndarray:
 
 
 def pack(blocks: Blocks) -> np.ndarray:
-    """[ceil(N / 16), bytes a panel] uint8 in kernels/cpu_quant.cpp's layout; rows past N are zeros. Scales and mins
+    """[ceil(N / 16), bytes a panel] uint8 in pagedq_kernels/cpu_quant.cpp's layout; rows past N are zeros. Scales and mins
     are float16 where half_scales, else float32; a symmetric layer's mins are left out."""
     n, k = blocks.u.shape
     panels = -(-n // COLS)

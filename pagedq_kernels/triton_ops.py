@@ -229,7 +229,7 @@ def _copy_blocks_kernel(cache_ptr, pairs_ptr, num_pairs, blocks_per_plane, block
 
 
 def copy_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
-    """kernels.torch_ops.copy_blocks's contract: one launch for every block, layer and keys or values."""
+    """pagedq_kernels.torch_ops.copy_blocks's contract: one launch for every block, layer and keys or values."""
     num_pairs = pairs.shape[1]
     if num_pairs == 0:
         return

@@ -72,7 +72,7 @@ def store(ops, batch: dict) -> None:
 
 def oracle(batch: dict) -> torch.Tensor:
     """The torch path in float32 on the same (upcast) values: the reference the kernels are held to."""
-    from kernels import torch_ops
+    from pagedq_kernels import torch_ops
 
     up = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in batch.items()}
     return attend(torch_ops, up)
