@@ -153,7 +153,26 @@ def make_request(request: JobRequest | dict | None, fields: dict[str, Any]) -> J
 def parse_event(entry_id: str, fields: dict) -> StreamEvent:
     ev = StreamEvent.model_validate_json(fields[wire.EVENT_FIELD])
     ev.event_id = entry_id
+    if (offset := fields.get(wire.OFFSET_FIELD)) is not None:
+        ev.offset = int(offset)
     return ev
+
+
+class Repeats:
+    """A live reader's memory of the tokens it has had, by offset. A failover to a replica that lacked a job's last
+    chunks makes the worker write them again, under new entry ids after those the reader saw on the old primary:
+    without this, the reader would yield those tokens twice. (Entries without an offset pass: older workers.)"""
+
+    def __init__(self) -> None:
+        self.next = 0  # the offset of the first token not yet had
+
+    def fresh(self, ev: StreamEvent) -> bool:
+        if ev.offset is None or ev.type != wire.EV_TOKEN:
+            return True
+        if ev.offset < self.next:
+            return False
+        self.next = ev.offset + len(ev.token_ids)
+        return True
 
 
 def parse_events(reply: Iterable | None) -> list[StreamEvent]:
@@ -206,15 +225,16 @@ def status(keys: Keys, job_id: str) -> Flow:
 
 def _follow(keys: Keys, job_id: str, after: str, deadline: Deadline, waiting: str) -> Flow:
     """Emit the job's events after `after` until the terminal one; TimeoutError at the deadline."""
-    last = after
+    last, repeats = after, Repeats()
     while True:
         reply = yield Cmd("xread", ({keys.events(job_id): last},),
                           {"count": READ_COUNT, "block": deadline.block_ms()})
         for ev in parse_events(reply):
             last = ev.event_id
-            yield Emit(ev)
-            if ev.terminal:
-                return
+            if repeats.fresh(ev):
+                yield Emit(ev)
+                if ev.terminal:
+                    return
         if deadline.expired():
             raise TimeoutError(f"job {job_id} {waiting}")
 

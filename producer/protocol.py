@@ -346,6 +346,7 @@ class StreamEvent(BaseModel):
     finish_reason: FinishReason | None = None  # token, in a job with several: this continuation ended here
     result: JobResult | None = None  # terminal events carry the final result
     event_id: str | None = Field(default=None, exclude=True)  # the stream entry id, to resume after it
+    offset: int | None = Field(default=None, exclude=True)  # token: the job's output tokens before it (the entry's)
 
     @property
     def terminal(self) -> bool:

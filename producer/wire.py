@@ -47,8 +47,10 @@ LIMIT_FIELDS = ("req", "tok", "at")  # its rate-limit buckets (requests, tokens)
 USAGE_NAME = "name"  # the key's name (written by serve, not a counter)
 USAGE_COUNTERS = ("requests", "rate_limited", "jobs", "prompt_tokens", "completion_tokens", "cached_tokens")
 
-# ---- the event stream pq:{q}:events:<id>: one field holding the event's JSON ----
+# ---- the event stream pq:{q}:events:<id>: a field holding the event's JSON; a token event's entry also holds its
+# offset (the job's output tokens before it), by which a reader skips chunks a failover made the worker write again
 EVENT_FIELD = "e"
+OFFSET_FIELD = "o"
 EV_TOKEN = "token"
 EV_DONE = "done"
 EV_ERROR = "error"

@@ -73,6 +73,7 @@ class Subscription:
         self.closed = False
         self.dropped = asyncio.Event()  # set when its request fell behind its bound (serve.disconnect ends it)
         self.took = True  # its request took events since the reader's last round (or had no chance to yet)
+        self.repeats = flows.Repeats()  # in the order the request takes them: the backlog, then the reader's
 
     def _take(self, item: tuple[StreamEvent, int] | BaseException) -> StreamEvent:
         self.took = True
@@ -85,6 +86,12 @@ class Subscription:
     async def next(self) -> StreamEvent:
         """The job's next event (the last is terminal); raises the Redis error that ended the reader's wait, or
         Dropped."""
+        while True:
+            ev = await self._next()
+            if self.repeats.fresh(ev):
+                return ev
+
+    async def _next(self) -> StreamEvent:
         if self.backlog:
             return self.backlog.pop(0)
         if self.error is not None:
@@ -102,7 +109,7 @@ class Subscription:
                 out.append(self._take(self.queue.get_nowait()))
             except BaseException as e:
                 self.error = e
-        return out
+        return [ev for ev in out if self.repeats.fresh(ev)]
 
     def put(self, events: list[tuple[StreamEvent, int]]) -> None:
         """The reader hands on a round's events of the stream (each with its bytes as read). Past its bound, a

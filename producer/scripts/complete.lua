@@ -38,7 +38,7 @@ if emitted < before then
   return redis.error_reply('GAP ' .. emitted .. ' job ' .. KEYS[1])
 end
 if ARGV[8] ~= '' and emitted == before then
-  redis.call('XADD', KEYS[2], '*', 'e', ARGV[8])
+  redis.call('XADD', KEYS[2], '*', 'e', ARGV[8], 'o', before)
 end
 finish({job = KEYS[1], events = KEYS[2], result = KEYS[3], jobs = KEYS[4]}, ARGV[4], ARGV[5], ARGV[6], ttl,
   ARGV[2], ARGV[3])

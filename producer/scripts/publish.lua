@@ -8,6 +8,8 @@
 -- KEYS     per job, 2 keys: job hash pq:{q}:job:<id>, event stream pq:{q}:events:<id>
 -- ARGV     per chunk, 4 args: lease token, offset (output tokens before this chunk), number of tokens in it,
 --          token event JSON.
+-- Each entry holds the event (e) and its offset (o): a reader that followed the stream live across a failover
+-- skips the chunks written again that it had read already (producer.flows.Repeats).
 --
 -- Returns: per chunk, in order: 0 written (or written before); 1 the same, and a cancel was requested; -1
 --          refused: lease lost (another worker holds the job, or it finished): nothing written; {emitted}, a
@@ -27,7 +29,7 @@ for i = 1, #KEYS / 2 do
     out[i] = {emitted}
   else
     if emitted == offset then
-      redis.call('XADD', events, '*', 'e', ev)
+      redis.call('XADD', events, '*', 'e', ev, 'o', offset)
       redis.call('HSET', job, 'emitted', offset + n)
     end
     out[i] = cancel and 1 or 0

@@ -9,8 +9,10 @@ import time
 
 import pytest
 import redis
+from faults import wait_for
 
-from producer import AsyncClient, Client, DuplicateJobError, RedisUnavailable, calls, flows
+from producer import AsyncClient, Client, DuplicateJobError, RedisUnavailable, calls, flows, wire
+from producer.protocol import JobResult, StreamEvent
 from producer.ride import Ride
 from worker.redis_server import RedisServer
 
@@ -249,3 +251,27 @@ def test_results_ride_through_a_sentinel_failover(queue, pq_tiny_model, start_wo
             c.close()
         finally:
             w.stop(30)
+
+
+def test_a_followed_stream_skips_chunks_written_again_after_a_failover(redis_url, queue):
+    """What a reader meets across an async failover that lost a job's last chunks, written by hand: the chunks it had
+    read on the old primary come again under new entry ids (the worker heals the stream); it yields each token once."""
+    c = Client(redis_url, queue=queue)
+    events = c.keys.events("j")
+
+    def chunk(offset: int, *ids: int) -> None:
+        c.redis.xadd(events, {"e": wire.token_event("".join(map(str, ids)), list(ids)), "o": offset})
+
+    chunk(0, 0, 1)
+    chunk(2, 2, 3)
+    got: list = []
+    reading = threading.Thread(target=lambda: [got.append(e) for e in c.stream("j", timeout=60)], daemon=True)
+    reading.start()
+    wait_for(lambda: len(got) == 2, 10, "the reader has both chunks")
+    chunk(2, 2, 3)  # again, as after the failover
+    chunk(4, 4)
+    done = JobResult(id="j", status="completed", token_ids=[0, 1, 2, 3, 4])
+    c.redis.xadd(events, {"e": StreamEvent(type="done", result=done).model_dump_json()})
+    reading.join(30)
+    assert [t for e in got[:-1] for t in e.token_ids] == [0, 1, 2, 3, 4] and got[-1].type == "done"
+    c.close()

@@ -119,3 +119,21 @@ def test_a_subscription_that_is_read_holds_on_whatever_a_round_brings():
         assert sub.dropped.is_set()
 
     asyncio.run(run())
+
+
+def test_a_subscription_skips_chunks_written_again_after_a_failover():
+    """The worker writes again the chunks a promoted replica lacked, after those the reader had from the old
+    primary: the request gets each token once, from the backlog and the reader's rounds alike."""
+
+    def chunk(offset: int, *ids: int) -> StreamEvent:
+        return StreamEvent(type="token", text="".join(map(str, ids)), token_ids=list(ids), offset=offset)
+
+    async def run() -> None:
+        sub = Subscription(_Reader(), "events-key", None)
+        sub.backlog = [chunk(0, 0, 1), chunk(2, 2)]
+        sub.put([(chunk(3, 3, 4), 10), (chunk(3, 3, 4), 10), (chunk(5, 5), 10)])  # 3-4 again: the failover's
+        assert [e.text for e in sub.ready()] == ["01", "2", "34", "5"]
+        sub.put([(chunk(5, 5), 10), (chunk(6, 6), 10), (StreamEvent(type="done"), 10)])
+        assert [(await sub.next()).text for _ in range(2)] == ["6", ""]
+
+    asyncio.run(run())
