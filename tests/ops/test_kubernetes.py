@@ -296,3 +296,33 @@ def test_the_serve_container_runs_here(tmp_path):
             assert _get(f"http://127.0.0.1:{port}/v1/models", key) == 200
         finally:
             p.stop()
+
+
+def _secret_keys_read() -> set[tuple[str, str]]:
+    """(Secret, key) of every Secret the manifests read: env references, KEDA's and files under secret volumes."""
+    read = {(r["name"], r["key"]) for a in by_kind("TriggerAuthentication") for r in a["spec"]["secretTargetRef"]}
+    for pod in pods().values():
+        secret_dirs = {v["name"]: v["secret"]["secretName"] for v in pod.get("volumes", []) if "secret" in v}
+        for c in containers(pod):
+            for e in c.get("env", []):
+                ref = e.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    read.add((ref["name"], ref["key"]))
+            dirs = {Path(m["mountPath"]): secret_dirs[m["name"]] for m in c.get("volumeMounts", [])
+                    if m["name"] in secret_dirs}
+            for value in env_here(c).values():
+                if Path(value).parent in dirs:
+                    read.add((dirs[Path(value).parent], Path(value).name))
+    return read
+
+
+def test_the_docs_create_every_secret_the_manifests_read():
+    section = (ROOT / "docs" / "operations.md").read_text().split("\n## Kubernetes\n", 1)[1].split("\n## ")[0]
+    created = set()
+    for line in section.splitlines():
+        if line.startswith("kubectl create secret generic "):
+            name, *flags = line.split()[4:]
+            created |= {(name, f.split("=")[1]) for f in flags if f.startswith(("--from-literal=", "--from-file="))}
+    read = _secret_keys_read()
+    assert {(REDIS_SECRET["name"], REDIS_SECRET["key"]), ("pagedq-api-keys", "keys")} <= read
+    assert read <= created, f"Secrets the manifests read that docs/operations.md does not create: {read - created}"
