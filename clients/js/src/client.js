@@ -143,9 +143,10 @@ export class Client {
     // disableOfflineQueue: a command sent while the connection is down fails at once and our Ride sends it again
     // with backoff, so that the grace bounds the wait. node-redis's offline queue would hold it without a limit,
     // and might still send a submit after the call had given up and said so.
-    const made = redis ? null : sentinel ? connectSentinel(this.url)
-      : createClient({ url: this.url, disableOfflineQueue: true, socket: { reconnectStrategy } });
+    const node = { disableOfflineQueue: true, socket: { reconnectStrategy } };
+    const made = redis ? null : sentinel ? connectSentinel(this.url, node) : createClient({ url: this.url, ...node });
     this.redis = watch(redis ?? made, (e) => this.onError(e));
+    this.sentinel = sentinel;
     this._idle = []; // blocking connections ready for reuse
     this._busy = new Set(); // blocking connections in an XREAD now
     this._closed = false;
@@ -159,7 +160,7 @@ export class Client {
 
   // A Ride for one call (its deadline: the call's timeout's end, ms since the epoch).
   _ride(options) {
-    return new Ride(this.graceMs, this.where, options);
+    return new Ride(this.graceMs, this.where, { ...options, bounded: this.sentinel });
   }
 
   // The main connection once it is ready: (re)connects it where it is closed (node-redis leaves a client closed

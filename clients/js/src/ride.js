@@ -15,6 +15,8 @@ export const FIRST_DELAY_MS = 50;
 export const MAX_DELAY_MS = 1000;
 // The longest one wait for a connection to come up, when nothing (an error, the call's deadline) ends it first.
 export const CONNECT_WAIT_MS = 5000;
+// A bounded ride (see Ride's `bounded`) lets one try run at least this long: an XREAD BLOCK of up to 2 s is no hang.
+const MIN_TRY_MS = 3000;
 
 // Socket errors of a server that is away for now (Node's error codes).
 const NET_CODES = new Set(['ECONNREFUSED', 'ECONNRESET', 'ECONNABORTED', 'EPIPE', 'ETIMEDOUT', 'EHOSTUNREACH',
@@ -32,11 +34,12 @@ const REFUSED_REPLIES = new Set(['WRONGPASS', 'NOAUTH', 'NOPERM']);
 // node-redis's RedisSentinel while the Sentinels name no primary, or none of them answers.
 const SENTINEL_RE = /no valid master node|none of the sentinels are available|connect to any sentinel|Master Node Not Enumerated/i;
 
-/** A connection that did not come up in time (no error said why). */
+/** A connection that did not come up in time (no error said why), or a try that got no answer. */
 export class NotConnected extends Error {
-  constructor(message) {
+  constructor(message, since = null) {
     super(message);
     this.name = 'NotConnected';
+    this.since = since; // when the try that got no answer began: the outage began no later
   }
 }
 
@@ -90,15 +93,18 @@ function seconds(ms) {
 /**
  * One client call's retry state. graceMs: how long an outage may last (0: fail at once); where: the address for
  * errors (no password); deadline: the call's own end (Date.now() ms; its timeout), past which it stops too;
- * jobId: named by that TimeoutError; signal: an AbortSignal that ends the pauses.
+ * jobId: named by that TimeoutError; signal: an AbortSignal that ends the pauses; bounded: a try that neither
+ * answers nor fails is given up at the end of the grace (node-redis's RedisSentinel holds a command, without an
+ * error, until the Sentinels name a primary).
  */
 export class Ride {
-  constructor(graceMs, where, { deadline = null, jobId, signal } = {}) {
+  constructor(graceMs, where, { deadline = null, jobId, signal, bounded = false } = {}) {
     this.graceMs = graceMs;
     this.where = where;
     this.deadline = deadline;
     this.jobId = jobId;
     this.signal = signal;
+    this.bounded = bounded;
     this.retried = false; // an operation was sent again: a write may have landed the first time
   }
 
@@ -113,11 +119,11 @@ export class Ride {
     let since = null;
     for (let delay = FIRST_DELAY_MS; ; delay = Math.min(delay * 2, MAX_DELAY_MS)) {
       try {
-        return await fn();
+        return await (this.bounded ? this._bound(fn(), since) : fn());
       } catch (err) {
         this.signal?.throwIfAborted();
         if (!isOutage(err)) throw err;
-        since ??= Date.now();
+        since ??= err.since ?? Date.now();
         const pause = this._pause(err, since, delay);
         try {
           await sleep(pause, undefined, { signal: this.signal });
@@ -125,6 +131,24 @@ export class Ride {
           this.signal.throwIfAborted();
         }
       }
+    }
+  }
+
+  // `promise`, or NotConnected once the grace (or the call's deadline) is over with no answer. The try itself
+  // goes on: a command that was queued may still run later (a submit then finds its job stored when retried).
+  async _bound(promise, since) {
+    const start = Date.now();
+    const end = Math.min((since ?? start) + this.graceMs, this.deadline ?? Infinity);
+    const ms = Math.max(MIN_TRY_MS, end - start);
+    let timer;
+    const late = new Promise((_, reject) => {
+      timer = setTimeout(() => reject(new NotConnected(`no answer in ${seconds(ms)} s`, start)), ms);
+    });
+    promise.catch(() => {}); // given up on: its late failure is nobody's
+    try {
+      return await Promise.race([promise, late]);
+    } finally {
+      clearTimeout(timer);
     }
   }
 
