@@ -154,7 +154,8 @@ export class Client {
 
   /** Connects the main connection (done on first use anyway), riding through an outage for the grace. */
   async connect() {
-    await this._ride().run(() => this._ready());
+    const ride = this._ride();
+    await ride.run(() => this._ready(ride));
     return this;
   }
 
@@ -170,7 +171,7 @@ export class Client {
     const r = this.redis;
     if (r.isReady) return r;
     if (!r.isOpen) r.connect().catch(() => {}); // its errors reach the 'error' listener, which waitReady reads
-    await waitReady(r, ride?.waitMs() ?? 5000);
+    await waitReady(r, ride.waitMs());
     return r;
   }
 
