@@ -7,12 +7,12 @@ import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import {
   ClientClosedError, ConnectionTimeoutError, ErrorReply, ReconnectStrategyError, SocketClosedUnexpectedlyError,
-  createClient as createRedis,
+  SocketTimeoutError, createClient as createRedis,
 } from 'redis';
 import {
   Client, DEFAULT_GRACE_MS, DuplicateJobError, PagedqError, RedisUnavailable, TimeoutError, newId,
 } from '../src/index.js';
-import { isOutage } from '../src/ride.js';
+import { isOutage, reconnectStrategy } from '../src/ride.js';
 import { randomQueue, startAofRedis, startHookedWorker, startRedis, waitFor } from './helpers.js';
 
 const LIMIT = { timeout: 300_000 };
@@ -59,6 +59,18 @@ describe('what counts as an outage', () => {
       new ErrorReply('DUPLICATE job x exists (state queued)'), new TypeError('x'), null, undefined]) {
       assert.ok(!isOutage(e), String(e?.message));
     }
+  });
+
+  test('the connections keep reconnecting through an outage, and stop on a refusal', () => {
+    for (const retries of [0, 1, 5, 50, 5000]) {
+      for (const cause of [new SocketTimeoutError(5000), new SocketClosedUnexpectedlyError(),
+        Object.assign(new Error('connect ECONNREFUSED'), { code: 'ECONNREFUSED' })]) {
+        const ms = reconnectStrategy(retries, cause); // node-redis's own strategy gives up on a socket timeout
+        assert.ok(typeof ms === 'number' && ms >= 0 && ms <= 1000, `${retries}: ${ms}`);
+      }
+    }
+    const wrong = new ErrorReply('WRONGPASS invalid username-password pair or user is disabled.');
+    assert.equal(reconnectStrategy(0, wrong), wrong);
   });
 
   test('the grace option', () => {
