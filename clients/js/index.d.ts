@@ -238,10 +238,20 @@ export interface ClientOptions {
   resultTtl?: number;
   /** Overrides of the default Limits. */
   limits?: Partial<Limits>;
-  /** A node-redis client to use (the caller closes it); blocking reads use duplicates of it. */
+  /**
+   * A node-redis client to use (the caller closes it); blocking reads use duplicates of it. Give it
+   * `disableOfflineQueue: true` for the grace to bound each wait (its offline queue holds commands without a limit).
+   */
   redis?: RedisClientType<any, any, any, any, any>;
-  /** Called with connection errors (node-redis reconnects by itself); default: ignored. */
+  /** Called with connection errors (the client reconnects by itself); default: ignored. */
   onError?: (err: Error) => void;
+  /**
+   * Milliseconds each Redis operation of a call rides through an outage (a restart, a Sentinel failover): sent
+   * again with backoff (50 ms doubling to 1 s) until it gets through, else RedisUnavailable. Default
+   * DEFAULT_GRACE_MS (30 s); 0: fail at once. A wrong password, a missing permission or a TLS certificate error is
+   * no outage: it fails at once.
+   */
+  graceMs?: number;
 }
 
 export interface WaitOptions {
@@ -267,9 +277,12 @@ export class Client {
   readonly redis: RedisClientType<any, any, any, any, any>;
   readonly resultTtl: number;
   readonly limits: Limits;
+  /** How long an outage may last before a call throws RedisUnavailable (ms). */
+  readonly graceMs: number;
   /** Connects now (every method connects on first use anyway). */
   connect(): Promise<this>;
-  /** Enqueues one job. Throws InvalidRequestError, DuplicateJobError. */
+  /** Enqueues one job. Throws InvalidRequestError, DuplicateJobError; a submit retried through an outage that
+   * finds its own job stored (its first reply was lost) succeeds: the job id is the idempotency key. */
   submit(request: JobRequest): Promise<Job>;
   /** Enqueues many jobs in one round trip. Throws DuplicateJobError (listing the refused ids; `jobs` holds the
    * submitted ones) after submitting every other job. */
@@ -386,3 +399,13 @@ export class InvalidRequestError extends PagedqError {
 export class TimeoutError extends PagedqError {
   readonly jobId: string;
 }
+/**
+ * Redis stayed unreachable longer than the client's grace: "Redis at <url, password redacted> unreachable for
+ * <n> s (the client's grace is <g> s): <last error>". `cause`: that last error.
+ */
+export class RedisUnavailable extends PagedqError {
+  /** Seconds since the outage began. */
+  readonly waited: number;
+}
+/** The default grace: 30000 ms. */
+export const DEFAULT_GRACE_MS: number;

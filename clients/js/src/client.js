@@ -5,8 +5,10 @@ import { createClient } from 'redis';
 import { DuplicateJobError, JobNotFound, TimeoutError } from './errors.js';
 import { Keys } from './keys.js';
 import { DEFAULT_LIMITS, encodeRequest, makeRequest } from './request.js';
+import { DEFAULT_GRACE_MS, Ride, addressOf, checkedGrace, isOutage, reconnectStrategy, waitReady, watch,
+} from './ride.js';
 import { evalMany, evalScript, script } from './scripts.js';
-import { connectSentinel, isSentinelUrl } from './sentinel.js';
+import { connectSentinel, isSentinelUrl, redact } from './sentinel.js';
 import { ERR_DUPLICATE, ERR_NOT_FOUND, EVENT_FIELD, EV_TOKEN, TERMINAL_EVENT } from './wire.js';
 
 export const DEFAULT_URL = 'redis://localhost:6379/0';
@@ -113,12 +115,15 @@ function checkJobId(jobId) {
 }
 
 /**
- * `new Client({url, queue, resultTtl, limits, redis})`. url: $REDIS_URL, else redis://localhost:6379/0;
+ * `new Client({url, queue, resultTtl, limits, redis, graceMs})`. url: $REDIS_URL, else redis://localhost:6379/0;
  * `redis+sentinel://host1:26379,host2:26379/<service>[/<db>]` finds the primary through Sentinel.
+ * graceMs: how long each Redis operation of a call rides through an outage (a restart, a failover) before
+ * RedisUnavailable; 0: fail at once.
  * Connects on first use (or `await client.connect()`); `await client.close()` when done.
  */
 export class Client {
-  constructor({ url, queue = 'default', resultTtl = DEFAULT_TTL, limits, redis, onError } = {}) {
+  constructor({ url, queue = 'default', resultTtl = DEFAULT_TTL, limits, redis, onError,
+    graceMs = DEFAULT_GRACE_MS } = {}) {
     this.keys = new Keys(queue);
     this.queue = queue;
     if (!Number.isSafeInteger(resultTtl) || resultTtl < 1) {
@@ -127,40 +132,69 @@ export class Client {
     this.resultTtl = resultTtl;
     this.limits = { ...DEFAULT_LIMITS, ...limits };
     this.onError = onError ?? (() => {});
+    this.graceMs = checkedGrace(graceMs);
     this.ownsRedis = !redis;
     this.url = redis ? undefined : url || process.env.REDIS_URL || DEFAULT_URL;
+    const sentinel = !redis && isSentinelUrl(this.url);
+    this.where = redis ? addressOf(redis) : redact(this.url);
     // node-redis emits "error" on every failed (re)connect; an EventEmitter without a listener would crash the
-    // app. Commands meanwhile fail on their own.
+    // app. watch() also keeps the last one, which a call waiting for the connection reports.
     // A redis+sentinel:// URL finds the primary through Sentinel and follows it after a failover (sentinel.js).
-    const made = redis ? null : isSentinelUrl(this.url) ? connectSentinel(this.url) : createClient({ url: this.url });
-    this.redis = redis ?? made.on('error', (e) => this.onError(e));
-    this._connecting = null;
+    // disableOfflineQueue: a command sent while the connection is down fails at once and our Ride sends it again
+    // with backoff, so that the grace bounds the wait. node-redis's offline queue would hold it without a limit,
+    // and might still send a submit after the call had given up and said so.
+    const node = { disableOfflineQueue: true, socket: { reconnectStrategy } };
+    const made = redis ? null : sentinel ? connectSentinel(this.url, node) : createClient({ url: this.url, ...node });
+    this.redis = watch(redis ?? made, (e) => this.onError(e));
+    this.sentinel = sentinel;
     this._idle = []; // blocking connections ready for reuse
     this._busy = new Set(); // blocking connections in an XREAD now
     this._closed = false;
   }
 
-  /** Connects the main connection (done on first use anyway). */
+  /** Connects the main connection (done on first use anyway), riding through an outage for the grace. */
   async connect() {
-    if (this._closed) throw new Error('pagedq client is closed');
-    if (!this._connecting) this._connecting = this.redis.isOpen ? Promise.resolve() : this.redis.connect();
-    await this._connecting;
+    const ride = this._ride();
+    await ride.run(() => this._ready(ride));
     return this;
   }
 
-  async _conn() {
-    if (!this.redis.isReady || !this._connecting) await this.connect();
-    return this.redis;
+  // A Ride for one call (its deadline: the call's timeout's end, ms since the epoch).
+  _ride(options) {
+    return new Ride(this.graceMs, this.where, { ...options, bounded: this.sentinel });
+  }
+
+  // The main connection once it is ready: (re)connects it where it is closed (node-redis leaves a client closed
+  // after a refusal), waits for it where it is (re)connecting. An outage error when it does not come up.
+  async _ready(ride) {
+    if (this._closed) throw new Error('pagedq client is closed');
+    const r = this.redis;
+    if (r.isReady) return r;
+    if (!r.isOpen) r.connect().catch(() => {}); // its errors reach the 'error' listener, which waitReady reads
+    await waitReady(r, ride.waitMs());
+    return r;
+  }
+
+  // One command on the main connection, sent again through an outage.
+  _send(ride, args) {
+    return ride.run(async () => (await this._ready(ride)).sendCommand(args));
   }
 
   // XREAD BLOCK holds its connection for the whole wait, so each waiting result()/stream() gets one of its own
   // (a duplicate of the main one), or every other command of the app would queue behind it.
-  async _acquireBlocking() {
-    await this._conn();
-    let c = this._idle.pop();
+  async _acquireBlocking(ride) {
+    if (this._closed) throw new Error('pagedq client is closed');
+    let c;
+    while ((c = this._idle.pop()) && !c.isReady) destroy(c); // an idle one may have lost its server meanwhile
     if (!c) {
-      c = this.redis.duplicate().on('error', (e) => this.onError(e));
-      await c.connect();
+      c = watch(this.redis.duplicate(), (e) => this.onError(e));
+      c.connect().catch(() => {});
+      try {
+        await waitReady(c, ride.waitMs());
+      } catch (err) {
+        destroy(c); // else it would go on reconnecting by itself
+        throw err;
+      }
     }
     this._busy.add(c);
     return c;
@@ -173,9 +207,9 @@ export class Client {
   }
 
   // One XREAD BLOCK on a job's events after `last`; an abort (signal) closes its connection to stop the wait.
-  async _xread(key, last, blockMs, signal) {
+  async _xread(ride, key, last, blockMs, signal) {
     signal?.throwIfAborted();
-    const c = await this._acquireBlocking();
+    const c = await this._acquireBlocking(ride);
     if (signal?.aborted) {
       this._releaseBlocking(c, true);
       signal.throwIfAborted();
@@ -204,12 +238,17 @@ export class Client {
    */
   async submit(request) {
     const req = makeRequest(request, this.limits);
-    const redis = await this._conn();
+    const call = this._submitCall(req);
+    const ride = this._ride();
     try {
-      await evalScript(redis, script('submit'), ...this._submitCall(req));
+      await ride.run(async () => evalScript(await this._ready(ride), script('submit'), ...call));
     } catch (err) {
-      if (isDuplicate(err)) throw new DuplicateJobError(`job id already exists: ${req.id}`, [req.id], []);
-      throw err;
+      // A retried submit that finds its own job (the first try's reply was lost to the outage) has succeeded:
+      // the job id is the idempotency key.
+      if (!isDuplicate(err)) throw err;
+      if (!ride.retried || !(await this._isOwn(ride, call))) {
+        throw new DuplicateJobError(`job id already exists: ${req.id}`, [req.id], []);
+      }
     }
     return new Job(this, req.id);
   }
@@ -217,23 +256,48 @@ export class Client {
   /**
    * Enqueues many jobs in one pipelined round trip. Duplicates are refused one by one: every other job is
    * submitted, then DuplicateJobError lists the refused ids (and carries the submitted jobs in `jobs`).
-   * Every request is validated before any is sent.
+   * Every request is validated before any is sent. Through an outage the whole round trip is sent again; a job
+   * it finds already stored by its own first try counts as submitted.
    */
   async submitMany(requests) {
     const reqs = [...requests].map((r) => makeRequest(r, this.limits));
     if (!reqs.length) return [];
-    const redis = await this._conn();
-    const replies = await evalMany(redis, script('submit'), reqs.map((r) => this._submitCall(r)));
+    const calls = reqs.map((r) => this._submitCall(r));
+    const ride = this._ride();
+    const replies = await ride.run(async () => {
+      const out = await evalMany(await this._ready(ride), script('submit'), calls);
+      const down = out.find((r) => r.status === 'rejected' && isOutage(r.reason));
+      if (down) throw down.reason; // part of the round trip may have landed: the retry's own-job check sees to it
+      return out;
+    });
     const jobs = [];
     const dups = [];
-    reqs.forEach((req, i) => {
+    for (const [i, req] of reqs.entries()) {
       const r = replies[i];
       if (r.status === 'fulfilled') jobs.push(new Job(this, req.id));
-      else if (isDuplicate(r.reason)) dups.push(req.id);
-      else throw r.reason;
-    });
+      else if (!isDuplicate(r.reason)) throw r.reason;
+      else if (ride.retried && await this._isOwn(ride, calls[i])) jobs.push(new Job(this, req.id));
+      else dups.push(req.id);
+    }
     if (dups.length) throw new DuplicateJobError(`job id already exists: ${dups.join(', ')}`, dups, jobs);
     return jobs;
+  }
+
+  // Whether the job a submit call names is the one this very call stored (its reply was lost to an outage): the
+  // stored enqueued_at is the call's own, or the queued payload is the same (producer/flows.py is_own).
+  async _isOwn(ride, [keys, args]) {
+    const job = keys[0];
+    const [payload, enqueuedAt] = [args[1], args[2]];
+    const [at, entry, stored] = await this._send(ride, ['HMGET', job, 'enqueued_at', 'entry', 'stream']);
+    if (at !== null && String(at) === enqueuedAt) return true;
+    if (!entry || !stored) return false; // taken off its stream already: only enqueued_at could have told
+    const found = await this._send(ride, ['XRANGE', String(stored), String(entry), String(entry)]);
+    if (!found.length) return false;
+    const fields = found[0][1];
+    for (let i = 0; i < fields.length; i += 2) {
+      if (String(fields[i]) === 'job') return String(fields[i + 1]) === payload;
+    }
+    return false;
   }
 
   _submitCall(req) {
@@ -254,11 +318,14 @@ export class Client {
   /** The job's state: queued | running | completed | failed | cancelled | expired. Throws JobNotFound. */
   async status(jobId) {
     checkJobId(jobId);
-    const redis = await this._conn();
-    const [state, raw] = await Promise.all([
-      redis.sendCommand(['HGET', this.keys.job(jobId), 'state']),
-      redis.sendCommand(['GET', this.keys.result(jobId)]),
-    ]);
+    const ride = this._ride();
+    const [state, raw] = await ride.run(async () => {
+      const redis = await this._ready(ride);
+      return Promise.all([
+        redis.sendCommand(['HGET', this.keys.job(jobId), 'state']),
+        redis.sendCommand(['GET', this.keys.result(jobId)]),
+      ]);
+    });
     if (state) return String(state);
     if (raw) return parseResult(raw).status;
     throw notFound(jobId);
@@ -268,26 +335,28 @@ export class Client {
    * Waits for the job's result (a JobResult): reads its result key, else blocks on its event stream (XREAD
    * BLOCK on a connection of its own; no polling) until the terminal event. Throws TimeoutError after
    * `timeoutMs` (default: wait for ever), JobNotFound for an unknown id; `signal` (AbortSignal) stops the wait.
+   * Through a Redis outage it keeps waiting (within timeoutMs) and resumes after the last event it read.
    */
   async result(jobId, { timeoutMs, signal } = {}) {
     checkJobId(jobId);
     signal?.throwIfAborted();
-    const redis = await this._conn();
+    const deadline = new Deadline(timeoutMs);
+    const ride = this._ride({ deadline: deadline.end, jobId, signal });
     const k = this.keys;
-    const raw = await redis.sendCommand(['GET', k.result(jobId)]);
+    const raw = await this._send(ride, ['GET', k.result(jobId)]);
     if (raw) return parseResult(raw);
     let last = '0-0';
-    const tail = await redis.sendCommand(['XREVRANGE', k.events(jobId), '+', '-', 'COUNT', '1']);
+    const tail = await this._send(ride, ['XREVRANGE', k.events(jobId), '+', '-', 'COUNT', '1']);
     if (tail.length) {
       const ev = parseEvent(...tail[0]);
       if (isTerminal(ev)) return ev.result;
       last = ev.event_id;
-    } else if (!(await redis.sendCommand(['EXISTS', k.job(jobId)]))) {
+    } else if (!(await this._send(ride, ['EXISTS', k.job(jobId)]))) {
       throw notFound(jobId);
     }
-    const deadline = new Deadline(timeoutMs);
     for (;;) {
-      for (const ev of await this._xread(k.events(jobId), last, deadline.blockMs(), signal)) {
+      const events = await ride.run(() => this._xread(ride, k.events(jobId), last, deadline.blockMs(), signal));
+      for (const ev of events) {
         last = ev.event_id;
         if (isTerminal(ev)) return ev.result;
       }
@@ -301,7 +370,8 @@ export class Client {
    * its stream entry id: pass it as `after` to resume after it (SSE's Last-Event-ID). A stream resumed after
    * its terminal event ends at once. Throws TimeoutError after `timeoutMs` (default: wait for ever),
    * JobNotFound for an unknown id; `signal` (AbortSignal) stops it. A job with several continuations (n > 1)
-   * interleaves their token events, each event's `index` saying which; `choice` keeps one's.
+   * interleaves their token events, each event's `index` saying which; `choice` keeps one's. Through a Redis
+   * outage it keeps waiting (within timeoutMs) and resumes after the last event it yielded: none lost or repeated.
    */
   async* stream(jobId, { after = '0-0', timeoutMs, signal, choice } = {}) {
     for await (const ev of this._events(jobId, { after, timeoutMs, signal })) {
@@ -315,26 +385,27 @@ export class Client {
       throw new TypeError(`after must be a stream entry id like "1700000000000-0", got ${JSON.stringify(after)}`);
     }
     signal?.throwIfAborted();
-    const redis = await this._conn();
+    const deadline = new Deadline(timeoutMs);
+    const ride = this._ride({ deadline: deadline.end, jobId, signal });
     const k = this.keys;
-    const tail = await redis.sendCommand(['XREVRANGE', k.events(jobId), '+', '-', 'COUNT', '1']);
+    const tail = await this._send(ride, ['XREVRANGE', k.events(jobId), '+', '-', 'COUNT', '1']);
     if (!tail.length) {
       // No events (yet, or any more): a finished job whose events expired still has its result.
-      const raw = await redis.sendCommand(['GET', k.result(jobId)]);
+      const raw = await this._send(ride, ['GET', k.result(jobId)]);
       if (raw) {
         yield resultEvent(raw);
         return;
       }
-      if (!(await redis.sendCommand(['EXISTS', k.job(jobId)]))) throw notFound(jobId);
+      if (!(await this._send(ride, ['EXISTS', k.job(jobId)]))) throw notFound(jobId);
     } else if (after !== '0-0') {
       const ev = parseEvent(...tail[0]);
       // The reader has had the terminal event already (an EventSource reconnects after the end): nothing more.
       if (isTerminal(ev) && compareIds(ev.event_id, after.includes('-') ? after : `${after}-0`) <= 0) return;
     }
-    const deadline = new Deadline(timeoutMs);
     let last = after;
     for (;;) {
-      for (const ev of await this._xread(k.events(jobId), last, deadline.blockMs(), signal)) {
+      const events = await ride.run(() => this._xread(ride, k.events(jobId), last, deadline.blockMs(), signal));
+      for (const ev of events) {
         last = ev.event_id;
         yield ev;
         if (isTerminal(ev)) return;
@@ -349,16 +420,17 @@ export class Client {
    */
   async cancel(jobId) {
     checkJobId(jobId);
-    const redis = await this._conn();
     const k = this.keys;
     // cancel.lua (producer/calls.py `cancel`): ARGV[1] is the result a queued job gets. KEYS[4] is always the
     // default lane's stream: the script deletes a queued job's entry only there; one on another lane's or a
     // group's stream stays, and the worker that reads it skips it.
     const res = normalizeResult({ id: jobId, status: 'cancelled', finish_reason: 'cancelled',
       timings: { finished_at: Date.now() / 1000 } });
+    const ride = this._ride();
     try {
-      const reply = await evalScript(redis, script('cancel'), [k.job(jobId), k.events(jobId), k.result(jobId), k.jobs],
-        [JSON.stringify(res), this.resultTtl]);
+      // Sent again through an outage: a second cancel of a job the first one cancelled answers its state.
+      const reply = await ride.run(async () => evalScript(await this._ready(ride), script('cancel'),
+        [k.job(jobId), k.events(jobId), k.result(jobId), k.jobs], [JSON.stringify(res), this.resultTtl]));
       return String(reply);
     } catch (err) {
       if (errorCode(err) === ERR_NOT_FOUND) throw notFound(jobId);
@@ -373,7 +445,9 @@ export class Client {
     this._idle = [];
     this._busy.clear();
     if (this.ownsRedis && this.redis.isOpen) {
-      await (typeof this.redis.close === 'function' ? this.redis.close() : this.redis.quit());
+      // One that is down and reconnecting has nothing to finish: destroy stops its reconnecting at once.
+      if (!this.redis.isReady) destroy(this.redis);
+      else await (typeof this.redis.close === 'function' ? this.redis.close() : this.redis.quit());
     }
   }
 }

@@ -42,3 +42,14 @@ export class TimeoutError extends PagedqError {
     this.jobId = jobId;
   }
 }
+
+/**
+ * Redis stayed unreachable (a restart, a failover, the network) longer than the client's grace. `waited`: seconds
+ * since the outage began (producer/ride.py's RedisUnavailable); `cause`: the last error met.
+ */
+export class RedisUnavailable extends PagedqError {
+  constructor(message, waited, options) {
+    super(message, options);
+    this.waited = waited;
+  }
+}

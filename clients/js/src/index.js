@@ -2,7 +2,10 @@
 import { Client } from './client.js';
 
 export { Client, Job, DEFAULT_TTL, DEFAULT_URL, normalizeResult, parseEvent } from './client.js';
-export { DuplicateJobError, InvalidRequestError, JobNotFound, PagedqError, TimeoutError } from './errors.js';
+export {
+  DuplicateJobError, InvalidRequestError, JobNotFound, PagedqError, RedisUnavailable, TimeoutError,
+} from './errors.js';
+export { DEFAULT_GRACE_MS } from './ride.js';
 export {
   Keys, checkGroup, checkLane, checkQueue, DEFAULT_LANE, GROUP, GROUP_NAME_PATTERN, LANES, PREFIX,
 } from './keys.js';

@@ -132,7 +132,16 @@ export class SentinelConnection {
   }
 }
 
-/** A client of the service's current primary (no I/O until connect()). */
-export function connectSentinel(url) {
-  return new SentinelConnection(parseSentinelUrl(url));
+/**
+ * A client of the service's current primary (no I/O until connect()). `node`: more options for the connections to
+ * the data nodes (the Client passes its reconnect strategy and disableOfflineQueue, see client.js).
+ */
+export function connectSentinel(url, node = {}) {
+  const options = parseSentinelUrl(url);
+  const { socket, ...rest } = node;
+  options.nodeClientOptions = { ...options.nodeClientOptions, ...rest,
+    socket: { ...options.nodeClientOptions.socket, ...socket } };
+  // Its nodes' connection errors reach the 'error' listener too (the Client reports the last one).
+  options.passthroughClientErrorEvents = true;
+  return new SentinelConnection(options);
 }

@@ -75,47 +75,80 @@ export async function waitFor(what, check, limitMs = 60_000) {
   }
 }
 
-/** Starts redis-server on a free port in a temporary folder (`extra`: more arguments); `await srv.stop()` ends it. */
+// Runs redis-server on `port` in `dir` until it answers PING (-> the process), or returns null where it exited
+// first (the port was taken). The probe authenticates with the --requirepass in `args`, when there is one.
+async function runRedis(port, dir, args) {
+  const proc = track(spawn(redisBinary(), ['--port', String(port), '--bind', '127.0.0.1', '--dir', dir,
+    '--daemonize', 'no', '--protected-mode', 'no', '--save', '', '--appendonly', 'no', '--loglevel', 'warning',
+    '--logfile', join(dir, 'redis.log'), ...args], { stdio: 'ignore' }));
+  proc.exited = false;
+  proc.on('exit', () => { proc.exited = true; });
+  const i = args.indexOf('--requirepass');
+  const auth = i < 0 ? '' : `:${encodeURIComponent(args[i + 1])}@`;
+  const probe = createClient({ url: `redis://${auth}127.0.0.1:${port}/0`, socket: { reconnectStrategy: false } })
+    .on('error', () => {});
+  const up = await waitFor(`redis-server on port ${port}`, async () => {
+    if (proc.exited) return 'exited';
+    try {
+      if (!probe.isOpen) await probe.connect();
+      await probe.ping();
+      return 'up';
+    } catch {
+      return null; // not listening yet, or still loading its AOF
+    }
+  }, 20_000);
+  if (probe.isOpen) await probe.close();
+  return up === 'up' ? proc : null;
+}
+
+async function kill(proc, signal) {
+  if (!proc.exited) {
+    const gone = new Promise((ok) => proc.once('exit', ok));
+    proc.kill(signal);
+    await gone;
+  }
+}
+
+/**
+ * Starts redis-server on a free port in a temporary folder (`extra`: more arguments); `await srv.stop()` ends it.
+ * `srv.down()` stops it (SIGTERM: it syncs its AOF) and keeps its folder; `srv.up()` starts it again on the same
+ * port and folder, reloading its data; `srv.restart(downMs)` does both with a pause between.
+ */
 export async function startRedis(...extra) {
-  const bin = redisBinary();
   for (let attempt = 0; ; attempt++) {
     const port = await freePort();
     const dir = mkdtempSync(join(tmpdir(), 'pagedq-js-redis-'));
-    const proc = track(spawn(bin, ['--port', String(port), '--bind', '127.0.0.1', '--dir', dir, '--daemonize', 'no',
-      '--protected-mode', 'no', '--save', '', '--appendonly', 'no', '--loglevel', 'warning',
-      '--logfile', join(dir, 'redis.log'), ...extra], { stdio: 'ignore' }));
-    let exited = false;
-    proc.on('exit', () => { exited = true; });
-    const url = `redis://127.0.0.1:${port}/0`;
-    const probe = createClient({ url, socket: { reconnectStrategy: false } }).on('error', () => {});
-    const up = await waitFor(`redis-server on port ${port}`, async () => {
-      if (exited) return 'exited';
-      try {
-        await probe.connect();
-        await probe.ping();
-        return 'up';
-      } catch {
-        return null;
-      }
-    }, 20_000);
-    if (probe.isOpen) await probe.close();
-    if (up === 'up') {
+    let proc = await runRedis(port, dir, extra);
+    if (proc) {
       return {
-        url,
+        url: `redis://127.0.0.1:${port}/0`,
         port,
+        async down() {
+          await kill(proc, 'SIGTERM');
+        },
+        async up() {
+          proc = await runRedis(port, dir, extra);
+          if (!proc) throw new Error(`redis-server could not bind port ${port} again`);
+        },
+        async restart(downMs = 0) {
+          await this.down();
+          await sleep(downMs);
+          await this.up();
+        },
         async stop() {
-          if (!exited) {
-            const gone = new Promise((ok) => proc.once('exit', ok));
-            proc.kill('SIGKILL');
-            await gone;
-          }
+          await kill(proc, 'SIGKILL');
           rmSync(dir, { recursive: true, force: true });
         },
       };
     }
     rmSync(dir, { recursive: true, force: true });
-    if (attempt >= 4) throw new Error(`redis-server (${bin}) did not start`);
+    if (attempt >= 4) throw new Error(`redis-server (${redisBinary()}) did not start`);
   }
+}
+
+/** startRedis with an append-only file synced on every write: a restart loses no acknowledged write. */
+export function startAofRedis(...extra) {
+  return startRedis('--appendonly', 'yes', '--appendfsync', 'always', ...extra);
 }
 
 /**
@@ -173,10 +206,21 @@ export function tinyModel() {
 
 /** Starts `python3 -m cli worker` on `queue`; `await w.stop()` ends it; `w.log()` reads its output. */
 export function startWorker(url, queue, ...flags) {
+  return startHookedWorker({}, url, queue, ...flags);
+}
+
+/**
+ * startWorker with faults injected through tests/worker_hooks.py: `hooks` such as {'step-delay-ms': 30} (a slower
+ * worker, so that a job is still running when a test breaks something mid-way).
+ */
+export function startHookedWorker(hooks, url, queue, ...flags) {
   const dir = mkdtempSync(join(tmpdir(), 'pagedq-js-worker-'));
   const logPath = join(dir, 'worker.log');
   const log = openSync(logPath, 'w');
-  const proc = track(spawn(PYTHON, ['-m', 'cli', 'worker', '--redis-url', url, '--queue', queue, '--model', tinyModel(),
+  const launcher = Object.keys(hooks).length
+    ? [join(PY_ROOT, 'tests', 'worker_hooks.py'), ...Object.entries(hooks).map(([k, v]) => `--${k}=${v}`), '--']
+    : ['-m', 'cli', 'worker'];
+  const proc = track(spawn(PYTHON, [...launcher, '--redis-url', url, '--queue', queue, '--model', tinyModel(),
     '--device', 'cpu', '--max-num-seqs', '8', '--num-kv-blocks', '256', '--log-level', 'INFO', ...flags],
   { cwd: PY_ROOT, env: PY_ENV, stdio: ['ignore', log, log] }));
   let code = null;

@@ -1,13 +1,13 @@
 // Compiled (not run) by test/types.test.js: `tsc -p tsconfig.json` checks index.d.ts against real use.
 import {
-  Client, DEFAULT_LANE, DuplicateJobError, InvalidRequestError, LANES, checkGroup, checkLane, createClient, makeRequest,
-  type JobResult, type Lane, type StreamEvent,
+  Client, DEFAULT_GRACE_MS, DEFAULT_LANE, DuplicateJobError, InvalidRequestError, LANES, RedisUnavailable, checkGroup,
+  checkLane, createClient, makeRequest, type JobResult, type Lane, type StreamEvent,
 } from 'pagedq';
 import { createClient as createRedis } from 'redis';
 
 export async function use(): Promise<string> {
   const client = new Client({ url: 'redis://localhost:6379/0', queue: 'default', resultTtl: 3600 });
-  const other = createClient({ redis: createRedis(), limits: { max_tokens: 1024 } });
+  const other = createClient({ redis: createRedis(), limits: { max_tokens: 1024 }, graceMs: DEFAULT_GRACE_MS / 2 });
   const job = await client.submit({ messages: [{ role: 'user', content: 'hi' }], max_tokens: 16, stop: '\n' });
   const res: JobResult = await job.result({ timeoutMs: 60_000 });
   let text = '';
@@ -35,6 +35,7 @@ export async function use(): Promise<string> {
   } catch (err) {
     if (err instanceof DuplicateJobError) text += err.ids.join() + err.jobs.map((j) => j.id).join();
     if (err instanceof InvalidRequestError) text += err.field;
+    if (err instanceof RedisUnavailable) text += `${err.waited} of ${other.graceMs}`;
   }
   const lanes: Lane[] = [...LANES, DEFAULT_LANE, checkLane('batch')];
   await client.submitMany(lanes.map((lane) => ({ prompt: 'p', lane, group: checkGroup('acme') })));
