@@ -197,6 +197,8 @@ interface EventBase {
   /** The event's stream entry id: pass it as `after` to resume after it (SSE's Last-Event-ID). null for a
    * terminal event rebuilt from the stored result after the job's events expired. */
   event_id: string | null;
+  /** A token event's offset: the job's output tokens before it (its stream entry's); null for others. */
+  offset: number | null;
   logprobs: TokenLogprob[] | null;
 }
 

@@ -9,7 +9,7 @@ import { DEFAULT_GRACE_MS, Ride, addressOf, checkedGrace, isOutage, reconnectStr
 } from './ride.js';
 import { evalMany, evalScript, script } from './scripts.js';
 import { connectSentinel, isSentinelUrl, redact } from './sentinel.js';
-import { ERR_DUPLICATE, ERR_NOT_FOUND, EVENT_FIELD, EV_TOKEN, TERMINAL_EVENT } from './wire.js';
+import { ERR_DUPLICATE, ERR_NOT_FOUND, EVENT_FIELD, EV_TOKEN, OFFSET_FIELD, TERMINAL_EVENT } from './wire.js';
 
 export const DEFAULT_URL = 'redis://localhost:6379/0';
 export const DEFAULT_TTL = 24 * 3600;
@@ -45,8 +45,11 @@ function parseResult(raw) {
 /** One event stream entry -> StreamEvent (producer/protocol.py) plus `event_id`, its stream entry id. */
 export function parseEvent(entryId, fields) {
   let raw;
+  let offset = null;
   for (let i = 0; i < fields.length; i += 2) {
-    if (String(fields[i]) === EVENT_FIELD) raw = fields[i + 1];
+    const name = String(fields[i]);
+    if (name === EVENT_FIELD) raw = fields[i + 1];
+    else if (name === OFFSET_FIELD) offset = Number(fields[i + 1]);
   }
   if (raw === undefined) throw new Error(`event ${entryId} has no "${EVENT_FIELD}" field`);
   const e = JSON.parse(String(raw));
@@ -59,7 +62,26 @@ export function parseEvent(entryId, fields) {
     finish_reason: e.finish_reason ?? null,
     result: e.result ? normalizeResult(e.result) : null,
     event_id: String(entryId),
+    offset,
   };
+}
+
+/**
+ * A live reader's memory of the tokens it has had, by offset: a failover to a replica that lacked a job's last
+ * chunks makes the worker write them again, under entry ids after those the reader saw on the old primary;
+ * without this the reader would yield those tokens twice. (Entries without an offset pass: older workers.)
+ */
+export class Repeats {
+  constructor() {
+    this.next = 0; // the offset of the first token not yet had
+  }
+
+  fresh(ev) {
+    if (ev.offset === null || ev.offset === undefined || ev.type !== EV_TOKEN) return true;
+    if (ev.offset < this.next) return false;
+    this.next = ev.offset + ev.token_ids.length;
+    return true;
+  }
 }
 
 function isTerminal(ev) {
@@ -70,7 +92,7 @@ function isTerminal(ev) {
 function resultEvent(raw) {
   const result = parseResult(raw);
   return { type: TERMINAL_EVENT[result.status] ?? 'error', text: '', token_ids: [], logprobs: null, index: 0,
-    finish_reason: null, result, event_id: null };
+    finish_reason: null, result, event_id: null, offset: null };
 }
 
 // The entries of an XREAD reply on one stream, as [id, fields] pairs: RESP2 gives [[name, entries]], RESP3 a
@@ -403,10 +425,12 @@ export class Client {
       if (isTerminal(ev) && compareIds(ev.event_id, after.includes('-') ? after : `${after}-0`) <= 0) return;
     }
     let last = after;
+    const repeats = new Repeats();
     for (;;) {
       const events = await ride.run(() => this._xread(ride, k.events(jobId), last, deadline.blockMs(), signal));
       for (const ev of events) {
         last = ev.event_id;
+        if (!repeats.fresh(ev)) continue;
         yield ev;
         if (isTerminal(ev)) return;
       }

@@ -10,8 +10,10 @@ export const TERMINAL_STATES = ['completed', 'failed', 'cancelled', 'expired'];
 export const ENTRY_ID = 'id'; // the job id
 export const ENTRY_JOB = 'job'; // the JobRequest as JSON
 
-// The event stream pq:{q}:events:<id>: one field holding the event's JSON.
+// The event stream pq:{q}:events:<id>: a field holding the event's JSON; a token event's entry also holds its
+// offset (the job's output tokens before it), by which a reader skips chunks a failover made the worker write again.
 export const EVENT_FIELD = 'e';
+export const OFFSET_FIELD = 'o';
 export const EV_TOKEN = 'token';
 // The terminal event type of each final state.
 export const TERMINAL_EVENT = { completed: 'done', failed: 'error', cancelled: 'cancelled', expired: 'error' };

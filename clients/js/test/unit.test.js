@@ -12,7 +12,7 @@ import {
   TERMINAL_STATES, STATES, checkGroup, checkLane, encodeRequest, makeRequest,
 } from '../src/index.js';
 import { BUNDLED_DIR, REPO_DIR, script, scriptsDir } from '../src/scripts.js';
-import { ENTRY_ID, ENTRY_JOB, ERR_DUPLICATE, ERR_NOT_FOUND, EVENT_FIELD } from '../src/wire.js';
+import { ENTRY_ID, ENTRY_JOB, ERR_DUPLICATE, ERR_NOT_FOUND, EVENT_FIELD, OFFSET_FIELD } from '../src/wire.js';
 import { python } from './helpers.js';
 
 const PKG = fileURLToPath(new URL('..', import.meta.url));
@@ -347,9 +347,9 @@ except ImportError:  # before producer/wire.py existed
     w.ERR_DUPLICATE, w.ERR_NOT_FOUND = "DUPLICATE", "NOT_FOUND"
 from producer.protocol import TERMINAL
 states = getattr(w, "STATES", None)
-print(json.dumps({"fields": [w.ENTRY_ID, w.ENTRY_JOB, w.EVENT_FIELD], "errors": [w.ERR_DUPLICATE, w.ERR_NOT_FOUND],
+print(json.dumps({"fields": [w.ENTRY_ID, w.ENTRY_JOB, w.EVENT_FIELD, getattr(w, "OFFSET_FIELD", "o")], "errors": [w.ERR_DUPLICATE, w.ERR_NOT_FOUND],
                   "terminal": list(TERMINAL), "states": list(states) if states else None}))`);
-    assert.deepEqual([ENTRY_ID, ENTRY_JOB, EVENT_FIELD], py.fields);
+    assert.deepEqual([ENTRY_ID, ENTRY_JOB, EVENT_FIELD, OFFSET_FIELD], py.fields);
     assert.deepEqual([ERR_DUPLICATE, ERR_NOT_FOUND], py.errors);
     assert.deepEqual(TERMINAL_STATES, py.terminal);
     assert.deepEqual(Object.keys(TERMINAL_EVENT), py.terminal);
