@@ -13,7 +13,8 @@ one size share tokens by the weights too; a group of longer jobs gets more token
 Spread: with other live workers that have room (from their heartbeats), a worker reads no more than its fair share
 of the load: ceil((waiting + pending on the workers with room) / their number), less what it holds already. So a
 burst on idle workers splits evenly, while a lone worker still takes the whole burst into one batch. Jobs it leaves
-for the others are taken anyway after SPREAD_GRACE_S if nobody did (a worker whose heartbeat outlives its loop).
+for the others are taken anyway once nobody has read any of them for SPREAD_GRACE_S (a worker whose heartbeat
+outlives its loop, or one the host starves of CPU while this one computes).
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ DEFAULT_FLOOR = 10
 MAX_ROUNDS = 6
 
 FLEET_TTL_S = 1.0  # how long the live workers read from their heartbeats are trusted
-SPREAD_GRACE_S = 0.5  # how long jobs left for other workers may wait before this one takes them anyway
+# How long jobs left for other workers may wait, with none of them read meanwhile, before this one takes them anyway.
+# Not shorter: on a small host a worker that starts computing its share can starve an idle peer of CPU for a while.
+SPREAD_GRACE_S = 2.0
 SPREAD_WAIT_MS = 100  # an idle worker that left jobs for others looks again this soon
 
 Source = tuple[str, str | None]  # a stream, as (lane, group); group None: the lane's own stream
@@ -82,6 +85,7 @@ class Intake:
         self.fleet_until = -math.inf
         self.seen_groups: dict[str, set[str]] = {lane: set() for lane in LANES}  # ready at the last look
         self.deferred_since: float | None = None  # when this worker began leaving waiting jobs to others
+        self.deferred_waiting = 0  # the jobs waiting at its last look then: fewer now means some were read since
 
     # ---- reading -------------------------------------------------------------------------------------------
 
@@ -186,10 +190,11 @@ class Intake:
             self.deferred_since = None
             return room
         now = time.monotonic()
-        if self.deferred_since is None:
+        if self.deferred_since is None or waiting < self.deferred_waiting:  # first deferral, or jobs were read
             self.deferred_since = now
         elif now - self.deferred_since >= SPREAD_GRACE_S:  # the others did not take them: take them here
             return room
+        self.deferred_waiting = waiting
         return limit
 
     def _running(self, ready: dict[str, set[str | None]]) -> Counter[str]:
