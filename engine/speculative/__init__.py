@@ -1,0 +1,4 @@
+"""Speculative decoding: proposers of draft tokens (proposer: the interface; ngram: prompt lookup).
+
+Nothing is re-exported here: import the module that owns a name.
+"""
