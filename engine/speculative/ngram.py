@@ -25,8 +25,9 @@ class NgramProposer:
 
 
 def lookup(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
-    """Up to k tokens that followed the most recent earlier occurrence of tokens' last n (n from max_n down to
-    min_n), or [] where none occurs."""
+    """k tokens that followed the most recent earlier occurrence of tokens' last n (n from max_n down to min_n), or
+    [] where none occurs. Where fewer than k follow it before the end, the copy goes on over the tokens it proposed
+    (as LZ77 copies an overlapping match): a tail that matched p tokens back repeats with period p."""
     if k < 1 or len(tokens) <= min_n:
         return []
     ids = np.asarray(tokens, dtype=np.int64)
@@ -41,5 +42,9 @@ def lookup(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
             found = found[ids[found - back] == ids[size - 1 - back]]
         if len(found):
             start = int(found[-1]) + 1  # the latest match: the text nearest to where generation is now
-            return ids[start : start + k].tolist()
+            out = ids[start : start + k].tolist()
+            period = size - start
+            while len(out) < k:
+                out.append(out[len(out) - period])
+            return out
     return []
