@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import logging
 import math
 import random
 
@@ -29,6 +30,8 @@ from engine.structured.grammars import Grammars
 from engine.tokens import chat_prompt, eos_ids
 from engine.weights.loader import resolve_model
 
+log = logging.getLogger("pagedq.engine")
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
@@ -46,6 +49,9 @@ class LLMEngine:
         self.times = StepTimes()
         self.runner.times = self.times
         self.speculation = SpeculationCounts()  # draft tokens proposed and accepted, whether speculation is on or not
+        if config.speculative != "off":
+            log.info("speculative decoding: %s, up to %d draft tokens per greedy sequence a step", config.speculative,
+                     config.num_speculative_tokens)
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._build(overlap=config.overlap_steps if config.overlap_steps is not None
                     else self.runner.device.type == "cuda", constrained=False)
