@@ -216,3 +216,21 @@ def test_config_checks():
     with pytest.raises(ValueError, match="overlap_steps"):
         EngineConfig(speculative="ngram", overlap_steps=True)
     assert EngineConfig(speculative="ngram").overlap_steps is False
+
+
+@pytest.mark.slow
+def test_smollm2_summary_is_the_same(smollm2, make_engine):
+    """The real model on a grounded job (it copies from its prompt): lookup hits, and nothing changes."""
+    on = make_engine("smollm2-135m-instruct", max_num_seqs=16, num_kv_blocks=512, quantization="none",
+                     speculative="ngram")
+    doc = ("The Harbor Bridge opened in 1932 and carries 48,000 vehicles a day. Its renovation costs 62 million "
+           "euros: the national fund pays 40 million, the region 12 million and the city 10 million. Nordbau "
+           "Infrastructure is the contractor. Two lanes of four are open until May; the ferry runs until midnight.")
+    prompts = [smollm2.apply_chat_template([{"role": "user", "content": doc + "\n\nSummarize the text above, "
+                                             "keeping every number."}]),
+               smollm2.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])]
+    params = SamplingParams(max_tokens=64, temperature=0)
+    want = smollm2.generate(prompts, params)
+    got = on.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert on.speculation.accepted > 0
