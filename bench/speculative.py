@@ -2,7 +2,7 @@
 on (n-gram prompt lookup), in one process: decode tokens/s, steps, draft tokens proposed and accepted, and that the
 text is the same.
 
-    python -m bench.speculative [--model smollm2-135m-instruct] [--k 4 6] [--max-tokens 200] [--reps 2]
+    python -m bench.speculative [--model smollm2-135m-instruct] [--quantization none] [--k 4 8] [--max-tokens 200]
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ QUESTION = ("Summarize the report above. Keep the key facts and numbers: the pha
 
 
 
-def measure(model: str, mode: str, k: int, max_tokens: int, reps: int) -> dict:
+def measure(model: str, quantization: str, mode: str, k: int, max_tokens: int, reps: int) -> dict:
     """The best of `reps` runs of the summary alone on a fresh engine -> its figures and text."""
-    eng = LLMEngine(EngineConfig(model=model, speculative=mode, num_speculative_tokens=k))
+    eng = LLMEngine(EngineConfig(model=model, quantization=quantization, speculative=mode, num_speculative_tokens=k))
     ids = eng.apply_chat_template([{"role": "user", "content": DOC + "\n\n" + QUESTION}])
     eng.generate([ids[:64]], SamplingParams(max_tokens=8, temperature=0))  # warm-up: kernels, allocator
     best = None
@@ -85,12 +85,14 @@ def _one(eng: LLMEngine, rid: str, ids: list[int], max_tokens: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=EngineConfig.model)
+    ap.add_argument("--quantization", default=EngineConfig.quantization)
     ap.add_argument("--k", type=int, nargs="+", default=[4], help="num_speculative_tokens values to run")
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--reps", type=int, default=2)
     args = ap.parse_args()
-    off = measure(args.model, "off", 1, args.max_tokens, args.reps)
-    rows = [off] + [measure(args.model, "ngram", k, args.max_tokens, args.reps) for k in args.k]
+    run = (args.model, args.quantization)
+    off = measure(*run, "off", 1, args.max_tokens, args.reps)
+    rows = [off] + [measure(*run, "ngram", k, args.max_tokens, args.reps) for k in args.k]
     for r in rows:
         rate = r["accepted"] / r["proposed"] if r["proposed"] else 0.0
         print(f"{r['mode']:5} k={r['k']} prompt={r['prompt']} out={r['tokens']} steps={r['steps']} "
