@@ -12,7 +12,7 @@ import click
 
 from cli.errors import check_redis
 from cli.options import default_of, queue_options
-from engine.config import QUANTIZATIONS, EngineConfig
+from engine.config import QUANTIZATIONS, SPECULATIVE, EngineConfig
 from producer.protocol import Limits
 from worker import LOG_FORMAT
 from worker.config import WorkerConfig
@@ -50,6 +50,13 @@ LIMIT_OPTIONS = {"max_prompt_chars": "max_prompt_chars", "max_tokens_limit": "ma
 @click.option("--overlap-steps/--no-overlap-steps", envvar="PAGEDQ_OVERLAP_STEPS",
               default=default_of(EngineConfig, "overlap_steps"),
               help="Schedule each step while the one before runs on the device; default: on for cuda, off for cpu")
+@click.option("--speculative", envvar="PAGEDQ_SPECULATIVE", type=click.Choice(SPECULATIVE),
+              default=default_of(EngineConfig, "speculative"), show_default=True,
+              help="ngram: greedy jobs propose tokens by prompt lookup and verify them in one step (the same output, "
+                   "several tokens a step where the output copies the prompt); not with --overlap-steps")
+@click.option("--num-speculative-tokens", envvar="PAGEDQ_NUM_SPECULATIVE_TOKENS", type=click.IntRange(min=1),
+              default=default_of(EngineConfig, "num_speculative_tokens"), show_default=True,
+              help="With --speculative: draft tokens per sequence per step, at most")
 @click.option("--tensor-parallel-size", envvar="PAGEDQ_TENSOR_PARALLEL_SIZE", type=click.IntRange(min=1),
               default=default_of(EngineConfig, "tensor_parallel_size"), show_default=True,
               help="Ranks one model replica is split over (tensor parallelism); this worker is rank 0 and starts "

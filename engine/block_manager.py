@@ -95,6 +95,20 @@ class BlockManager:
             self.tables.write(seq.table_row, len(seq.block_table), new)
             seq.block_table.extend(new)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep the blocks that num_tokens of seq fill, free the rest (those only rejected draft tokens wrote). They
+        go to the front of the free list: they hold nothing worth caching, and prefixes that do stay longer."""
+        keep = self.blocks_needed(num_tokens)
+        extra = seq.block_table[keep:]
+        if not extra:
+            return
+        for block in reversed(extra):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free[block] = None
+                self.free.move_to_end(block, last=False)
+        del seq.block_table[keep:]
+
     def share(self, parent: Sequence, child: Sequence) -> None:
         """child (a fork of parent) holds every block parent holds, the partly filled last one included."""
         for block in parent.block_table:

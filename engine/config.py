@@ -8,6 +8,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 AUTO = "auto"  # bfloat16 on CUDA and on CPUs with bfloat16 matmul units (AVX-512 BF16, AMX); float32 elsewhere
 BACKENDS = ("auto", "torch", "cpu", "triton")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+SPECULATIVE = ("off", "ngram")
 # (max_num_seqs, max_num_batched_tokens) by device. CPU: measured with `pagedq bench` (docs/benchmarks.md, "vLLM as a peer"): a
 # decode step reads every weight once whatever the batch, so more sequences per step amortize that read (mixed:
 # +19% from 64 to 256 sequences); a step is a few hundred ms, so 4,096 tokens keep prefill chunks in step with it.
@@ -66,6 +67,11 @@ class EngineConfig:
     nnodes: int = 1
     # CPU ranks of one host: all-reduces through shared memory (engine.parallel.shm_all_reduce), not gloo's sockets.
     shm_all_reduce: bool = True
+    # Speculative decoding (engine.speculative): "ngram" proposes up to num_speculative_tokens tokens per greedy
+    # sequence per step by prompt lookup, verified in the same forward; the output is the same, token for token.
+    # "off": one token per sequence per step.
+    speculative: str = "off"
+    num_speculative_tokens: int = 4
 
     def __post_init__(self) -> None:
         if self.dtype is None:
@@ -91,6 +97,22 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         self._check_parallel()
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        if self.speculative not in SPECULATIVE:
+            raise ValueError(f"speculative must be one of {SPECULATIVE}, got {self.speculative!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.speculative == "off":
+            return
+        # A step's drafts are read from its sequences' tokens, and checked against its own tokens when it lands:
+        # the step before must have landed, and the other ranks would need the drafts too.
+        if self.overlap_steps:
+            raise ValueError("speculative decoding does not combine with overlap_steps yet: give one or the other")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding does not combine with tensor_parallel_size > 1 yet")
+        self.overlap_steps = False
 
     def _check_parallel(self) -> None:
         size = self.tensor_parallel_size

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import logging
 import math
 import random
 
@@ -21,11 +22,15 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.self_check import self_check
 from engine.sequence import PLACEHOLDER
-from engine.stats import StepTimes
+from engine.speculative.ngram import NgramProposer
+from engine.speculative.verify import Speculator
+from engine.stats import SpeculationCounts, StepTimes
 from engine.step_loop import StepLoop
 from engine.structured.grammars import Grammars
 from engine.tokens import chat_prompt, eos_ids
 from engine.weights.loader import resolve_model
+
+log = logging.getLogger("pagedq.engine")
 
 
 class LLMEngine:
@@ -43,6 +48,10 @@ class LLMEngine:
         self.rng = random.Random(config.seed)
         self.times = StepTimes()
         self.runner.times = self.times
+        self.speculation = SpeculationCounts()  # draft tokens proposed and accepted, whether speculation is on or not
+        if config.speculative != "off":
+            log.info("speculative decoding: %s, up to %d draft tokens per greedy sequence a step", config.speculative,
+                     config.num_speculative_tokens)
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._build(overlap=config.overlap_steps if config.overlap_steps is not None
                     else self.runner.device.type == "cuda", constrained=False)
@@ -65,8 +74,12 @@ class LLMEngine:
                         self.num_total_blocks)
         self.intake = Intake(self.tokenizer, self.grammars, self.scheduler, limits, self.eos_token_ids, self.rng)
         self.finishing = Finishing(self.scheduler, self.groups)
+        speculator = None
+        if config.speculative == "ngram":
+            speculator = Speculator(NgramProposer(), config.num_speculative_tokens, self.block_manager,
+                                    config.max_num_batched_tokens, self.scheduler.watermark, self.speculation)
         self.loop = StepLoop(self.runner, self.scheduler, self.groups, self.finishing, self.grammars, self.times,
-                             self.eos_token_ids, overlap, constrained)
+                             self.eos_token_ids, overlap, constrained, speculator)
 
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel replica (nothing to do on one device)."""

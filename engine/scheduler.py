@@ -34,6 +34,9 @@ class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Per row, the draft tokens (speculative decoding) among its new tokens, whose logits are sampled too: the
+    # verify step. Empty: none in the step.
+    num_drafts: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)

@@ -7,6 +7,7 @@ A few perf_counter reads a step: cheap enough to stay on. On a GPU the forward p
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 # update: a landed step's tokens written in and the requests it finished ended.
 # outputs: the landed step's RequestOutputs built.
@@ -35,3 +36,16 @@ class StepTimes:
 
     def per_step_ms(self) -> dict[str, float]:
         return {p: 1000 * s / max(1, self.steps) for p, s in self.seconds.items()}
+
+
+@dataclass
+class SpeculationCounts:
+    """Speculative decoding since the engine started: draft tokens proposed, and those the target accepted."""
+
+    steps: int = 0  # steps with at least one draft token
+    proposed: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0

@@ -27,6 +27,7 @@ from engine.runner.sampler import SamplingBatch
 from engine.runner.step_inputs import Feed
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import PLACEHOLDER, Sequence, Status
+from engine.speculative.verify import Speculator
 from engine.stats import StepTimes
 from engine.structured.grammars import Grammars
 
@@ -46,6 +47,9 @@ class InFlight:
     logprobs: torch.Tensor
     feeds_ahead: bool  # no row needs its token on the host before the next step is sampled (logprobs, penalties)
     beams: list  # per beam group sampled: (group, its rows, the K best candidates: values and flat indices)
+    # Speculative decoding: each drafted sampler's draft tokens. Its rows in `tokens` are one per draft and one
+    # more, back to back; every other sampler has one row.
+    drafts: dict[Sequence, list[int]] | None = None
 
     def host_tokens(self) -> list[int]:
         if self.event is not None:
@@ -58,8 +62,8 @@ class InFlight:
 
 class StepLoop:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, groups: GroupSteps, finishing: Finishing,
-                 grammars: Grammars, times: StepTimes, eos_ids: set[int], overlap: bool, constrained: bool = False
-                 ) -> None:
+                 grammars: Grammars, times: StepTimes, eos_ids: set[int], overlap: bool, constrained: bool = False,
+                 speculator: Speculator | None = None) -> None:
         self.runner = runner
         self.scheduler = scheduler
         self.bm: BlockManager = scheduler.bm
@@ -73,6 +77,7 @@ class StepLoop:
         self.in_flight: deque[InFlight] = deque()  # launched steps not yet landed, oldest first (at most two)
         self.last_batch = SchedulerOutput()  # what the latest step ran: for a worker's batch-size metrics
         self.constrained = constrained  # whether a request with a constraint ever came: else no step looks for any
+        self.speculator = speculator  # speculative decoding (never with overlap: EngineConfig checks)
 
     def step(self) -> Landed | None:
         """Run one step -> the step that landed, if any (with overlap: usually the one launched by the call
@@ -97,16 +102,22 @@ class StepLoop:
         if not batch.seqs:
             return False
         self.times.steps += 1
+        drafts = self.speculator.attach(batch) if self.speculator is not None else None
         if batch.num_tokens == len(batch.seqs):  # decode only: every sequence samples its next token
             samplers = batch.seqs
         else:
             samplers = [s for s, n in zip(batch.seqs, batch.num_new_tokens)
                         if s.num_computed_tokens + n == len(s.token_ids)]
         samplers, sample_from = self.groups.fork(samplers)
-        sampling = self._sampling(samplers)
+        if drafts and sample_from is not None:  # a group forks this step: its rows are mapped one per sampler
+            self.speculator.undo(batch, drafts)
+            drafts = None
+        sampling = self._sampling(_verify_rows(samplers, drafts) if drafts else samplers)
         feed = self._feed(batch) if self.in_flight else None
         self.times.lap("schedule")
         tokens, logprobs, candidates = self.runner.run(batch, sampling, feed, self.bm.take_copies(), sample_from)
+        if drafts:
+            self.speculator.strip(batch, drafts)
         self._advance(batch)
         positions = self._placeholders(samplers)
         # A constrained row's next mask needs its token advanced through its matcher first.
@@ -114,7 +125,8 @@ class StepLoop:
             p.needs_logprobs or p.uses_history or p.use_beam_search for p in sampling.params))
         beams = [(samplers[rows[0]].group, rows, found) for (rows, _, _), found in zip(sampling.beams, candidates)]
         host, event = self.runner.to_host(tokens)
-        self.in_flight.append(InFlight(samplers, positions, tokens, host, event, logprobs, feeds_ahead, beams))
+        self.in_flight.append(InFlight(samplers, positions, tokens, host, event, logprobs, feeds_ahead, beams,
+                                       drafts or None))
         return True
 
     def _advance(self, batch: SchedulerOutput) -> None:
@@ -157,6 +169,8 @@ class StepLoop:
         step = self.in_flight.popleft()
         tokens = step.host_tokens()  # on an asynchronous device: the wait for the step
         self.times.lap("sample")
+        if step.drafts:
+            return self._land_verified(step, tokens)
         reasons, hidden, texts, reported = [], [], {}, []
         check, end, finished = self.finishing.check, self.finishing.end, Status.FINISHED  # bound once: per row
         scores = step.logprobs if step.logprobs.numel() else None
@@ -184,6 +198,46 @@ class StepLoop:
         logprobs = self._logprob_entries(step, tokens) if scores is not None else None
         self.times.lap("update")
         return Landed(step.samplers, step.positions, tokens, reasons, hidden, texts, logprobs, reported)
+
+    def _land_verified(self, step: InFlight, tokens: list[int]) -> Landed:
+        """land() for a step with draft tokens: a drafted sequence lands what its drafts gave (1 to k + 1 tokens), a
+        row per token, up to the first that ends it; every other sampler as land() does."""
+        rows: tuple[list, ...] = ([], [], [], [], [])  # samplers, positions, tokens, reasons, hidden
+        texts, reported, entries = {}, [], []
+        check, end, finished = self.finishing.check, self.finishing.end, Status.FINISHED
+        scores = step.logprobs if step.logprobs.numel() else None
+        at = 0
+        for seq, pos in zip(step.samplers, step.positions):
+            draft = step.drafts.get(seq)
+            row, at = at, at + 1 + (len(draft) if draft else 0)
+            if seq.status is finished or seq.gang is not None:
+                _add_row(rows, seq, pos, tokens[row], GONE, False)
+                entries.append(None)
+                continue
+            new = self.speculator.settle(seq, draft, tokens[row:at]) if draft else [tokens[row]]
+            for i, token in enumerate(new):
+                ids = seq.token_ids
+                if pos + i < len(ids):
+                    ids[pos + i] = token
+                else:
+                    ids.append(token)
+                reason, hide, text = check(seq, token, pos + i)
+                if text is not None:
+                    texts[len(rows[0])] = text
+                _add_row(rows, seq, pos + i, token, reason, hide)
+                entries.append(_logprob_entry(step.logprobs, row, seq.params.logprobs, token)
+                               if scores is not None else None)
+                if scores is not None and seq.group is not None:
+                    seq.cumulative_logprob += float(scores[row, token])
+                if reason is not None:
+                    reported += end(seq, reason, hide)
+                    break
+            else:
+                if draft:
+                    self.speculator.keep(seq)
+        reported += self._beam_steps(step)
+        self.times.lap("update")
+        return Landed(*rows, texts, entries if scores is not None else None, reported)
 
     def _beam_steps(self, step: InFlight) -> list[RequestOutput]:
         reported = []
@@ -231,16 +285,31 @@ class StepLoop:
     def _logprob_entries(step: InFlight, tokens: list[int]) -> list[list | None]:
         """Per sampled row: [(logprob of its token, {token: logprob} of its top N)], or None where not asked.
         Read before the next step launches, so reading them does not wait for that step."""
-        entries = []
-        for row, (seq, token) in enumerate(zip(step.samplers, tokens)):
-            n = seq.params.logprobs
-            if n is None:
-                entries.append(None)
-                continue
-            lp = step.logprobs[row]
-            top = {}
-            if n:
-                values, ids = lp.topk(min(n, lp.numel()))
-                top = dict(zip(ids.tolist(), values.tolist()))
-            entries.append([(float(lp[token]), top)])
-        return entries
+        return [_logprob_entry(step.logprobs, row, seq.params.logprobs, token)
+                for row, (seq, token) in enumerate(zip(step.samplers, tokens))]
+
+
+def _logprob_entry(logprobs: torch.Tensor, row: int, n: int | None, token: int) -> list | None:
+    """[(logprob of token, {token: logprob} of the top n)] from a step's row, or None where n is None."""
+    if n is None:
+        return None
+    lp = logprobs[row]
+    top = {}
+    if n:
+        values, ids = lp.topk(min(n, lp.numel()))
+        top = dict(zip(ids.tolist(), values.tolist()))
+    return [(float(lp[token]), top)]
+
+
+def _add_row(rows: tuple[list, ...], seq: Sequence, pos: int, token: int, reason: str | None, hidden: bool) -> None:
+    for column, value in zip(rows, (seq, pos, token, reason, hidden)):
+        column.append(value)
+
+
+def _verify_rows(samplers: list[Sequence], drafts: dict[Sequence, list[int]]) -> list[Sequence]:
+    """The sampled rows of a step with draft tokens, by sequence: a drafted one's once per draft and once more."""
+    rows = []
+    for seq in samplers:
+        draft = drafts.get(seq)
+        rows += [seq] * (1 + len(draft)) if draft else [seq]
+    return rows

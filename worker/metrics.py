@@ -60,7 +60,7 @@ class Metrics:
         self.alone_since: float | None = None  # when this spell of them began
         nop = _Nop()
         for name in ("jobs", "tokens", "prompt_tokens", "cached_tokens", "preemptions", "retries", "dead_letters",
-                     "lease_losses", "unreplicated", "unreplicated_now", "resent_tokens", "steps", "failed_steps", "convicted", "step_seconds", "publish_seconds", "batch_seqs", "batch_tokens",
+                     "lease_losses", "unreplicated", "unreplicated_now", "resent_tokens", "steps", "failed_steps", "convicted", "spec_proposed", "spec_accepted", "step_seconds", "publish_seconds", "batch_seqs", "batch_tokens",
                      "queue_wait", "ttft", "tpot", "e2e", "running", "running_seqs", "waiting_seqs",
                      "pending_acks", "kv_free", "kv_used", "kv_total", "depth", "pending", "oldest_pending_age",
                      "oldest_waiting_age", "dlq_length", "live_workers", "lane_started", "lane_wait", "lane_ttft",
@@ -109,6 +109,10 @@ class Metrics:
                                     "resumed; the cause searched for by running them apart)")
         self.convicted = counter("pagedq_engine_fault_jobs", "Jobs failed as the cause of an engine step that raised "
                                  "(each reproduced it running alone)")
+        self.spec_proposed = counter("pagedq_speculative_proposed_tokens", "Draft tokens proposed (speculative "
+                                     "decoding, --speculative)")
+        self.spec_accepted = counter("pagedq_speculative_accepted_tokens", "Draft tokens the model accepted: output "
+                                     "tokens beyond one per sequence per step")
         # ---- histograms ----
         self.queue_wait = histogram("pagedq_queue_wait_seconds", "Enqueue to start on a worker", QUEUE_WAIT_BUCKETS)
         self.ttft = histogram("pagedq_time_to_first_token_seconds", "Enqueue to the first output token", TTFT_BUCKETS)

@@ -79,6 +79,7 @@ class Worker:
             Setup(config.redis_url, options, is_cluster(self.r), config.queue, self.settings, self.model,
                   tokenizer_spec(engine.tokenizer), log.getEffectiveLevel(), self.durability), self.metrics)
         self.last_step_s = 0.0
+        self.speculated = (0, 0)  # the engine's draft tokens proposed and accepted, as the metrics last counted them
         self.heartbeat = Heartbeat(self.r, self.keys, self.id, self._static_info(), config.heartbeat_s, self.metrics,
                                    self._live_state, config.lease_ms)
         self.leases = LeaseKeeper(self.r, self.keys, self.settings, lambda: list(self.active.copy().values()),
@@ -495,6 +496,11 @@ class Worker:
             m.finished(job.enqueued_at, job.started_at, job.first_token_at, now,
                        sum(len(c.token_ids) for c in out.choices) - job.resumed_tokens, job.lane, job.group)
         m.engine_state(eng.num_running, eng.num_waiting, eng.num_free_blocks, eng.num_total_blocks)
+        spec = eng.speculation
+        if spec.proposed != self.speculated[0]:
+            m.spec_proposed.inc(spec.proposed - self.speculated[0])
+            m.spec_accepted.inc(spec.accepted - self.speculated[1])
+            self.speculated = (spec.proposed, spec.accepted)
 
     def _static_info(self) -> dict:
         cfg = self.engine.config

@@ -69,7 +69,7 @@ def build(batch: SchedulerOutput, tables: np.ndarray, block_size: int, after: St
         token_rows = np.repeat(np.arange(b), n)
         positions = np.arange(int(qsl[-1]), dtype=np.int64) - np.repeat(qsl[:-1] - start, n)
         total = np.fromiter((s.num_tokens for s in seqs), np.int64, b)
-        sample_rows = (qsl[1:] - 1)[end == total]
+        sample_rows = _sample_rows(qsl, end == total, batch.num_drafts)
     slots = _slots(table, token_rows, positions, block_size)
     return StepInputs(ids, positions, slots, qsl, end.astype(np.int32), table, sample_rows, rows)
 
@@ -85,6 +85,18 @@ def _next_decode(batch: SchedulerOutput, tables: np.ndarray, block_size: int, af
     ids = np.full(b, PLACEHOLDER, np.int64) if fed else np.fromiter((s.token_ids[-1] for s in seqs), np.int64, b)
     slots = _slots(table, token_rows, positions, block_size)
     return StepInputs(ids, positions, slots, after.query_start_loc, seq_lens, table, token_rows, after.table_rows)
+
+
+def _sample_rows(qsl: np.ndarray, samples: np.ndarray, num_drafts: list[int]) -> np.ndarray:
+    """The token rows sampled: each sampling sequence's last, and with draft tokens (the verify step) the rows of
+    its last input token and of every draft, in order."""
+    last = qsl[1:] - 1
+    if not num_drafts:
+        return last[samples]
+    counts = np.where(samples, np.asarray(num_drafts, dtype=np.int64) + 1, 0)
+    first = np.repeat(last - counts + 1, counts)
+    within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    return first + within
 
 
 def _slots(table: np.ndarray, token_rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:

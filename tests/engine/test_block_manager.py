@@ -89,3 +89,22 @@ def test_prefix_caching_off_never_hits():
     a.num_computed_tokens = 8
     bm.commit(a)
     assert bm.match_prefix(seq(range(9), "b")) == []
+
+
+def test_trim_frees_the_blocks_past_the_tokens_kept_first_in_line():
+    # Speculative decoding: blocks only rejected draft tokens wrote go back, ahead of cached prefixes in the free list.
+    bm = BlockManager(num_blocks=8, block_size=4)
+    s = seq(range(6))
+    bm.allocate(s, 6, [])
+    s.num_computed_tokens = 6
+    bm.append(s, 1 + 8)  # its next token and 8 drafts: up to 15 tokens, 4 blocks
+    assert len(s.block_table) == 4 and bm.num_free_blocks == 4
+    extra = s.block_table[2:]
+    bm.trim(s, 7)  # one draft accepted: 7 tokens computed, 2 blocks
+    assert len(s.block_table) == 2 and bm.num_free_blocks == 6
+    assert list(bm.free)[:2] == extra  # the next handed out
+    assert [bm.ref_counts[b] for b in extra] == [0, 0]
+    bm.trim(s, 7)  # nothing more to free
+    assert len(s.block_table) == 2
+    bm.free_seq(s)
+    assert bm.num_free_blocks == 8

@@ -238,6 +238,7 @@ ROOMS = {
     "parallel": {"engine.config"},
     "models": {"engine.weights", "engine.parallel"},
     "runner": {"engine.models", "engine.weights", "engine.parallel", *CORE_DATA},
+    "speculative": {*CORE_DATA, "engine.block_manager"},
 }
 
 
