@@ -127,6 +127,8 @@ def got_logprobs(engine) -> dict:
 
 
 def pair(make_engine, arch="llama", **config):
+    # A KV pool the size of these prompts: sized from memory, two engines a test would take up to 4 GiB.
+    config.setdefault("num_kv_blocks", 256)
     return make_engine(arch, **config), make_engine(arch, speculative="ngram", **config)
 
 
