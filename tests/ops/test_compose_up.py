@@ -154,7 +154,7 @@ class Stack:
                      "PAGEDQ_WORKERS": "2", "PAGEDQ_NUM_KV_BLOCKS": "512", "PAGEDQ_MAX_NUM_SEQS": "16",
                      "COMPOSE_HTTP_TIMEOUT": "300"}
         self.env |= {f"PAGEDQ_{name}_PORT": str(port) for name, port in self.ports.items()}
-        if "docker" not in compose[0] or shutil.which("docker-buildx") is None:
+        if run("docker", "buildx", "version", check=False).returncode != 0:
             self.env.setdefault("DOCKER_BUILDKIT", "0")  # no buildx plugin: the legacy builder
 
     def __call__(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:

@@ -118,21 +118,26 @@ class Lossy {
   }
 }
 
-describe('a retried submit', LIMIT, () => {
-  let srv;
-  let raw;
+// A redis-server and a plain client on it, for a describe block's tests: started before them, stopped after.
+function plainRedis() {
+  const it = {};
   before(async () => {
-    srv = await startRedis();
-    raw = await rawClient(srv.url);
+    it.srv = await startRedis();
+    it.raw = await rawClient(it.srv.url);
   });
   after(async () => {
-    await raw?.close();
-    await srv?.stop();
+    await it.raw?.close();
+    await it.srv?.stop();
   });
+  return it;
+}
+
+describe('a retried submit', LIMIT, () => {
+  const redis = plainRedis();
 
   test('that finds its own job succeeds; another job under that id is still a duplicate', async () => {
     const queue = randomQueue();
-    const lossy = new Lossy(await rawClient(srv.url), 'after');
+    const lossy = new Lossy(await rawClient(redis.srv.url), 'after');
     const c = new Client({ redis: lossy, queue, graceMs: 10_000 });
     const job = await c.submit({ prompt: 'x', max_tokens: 4 });
     assert.equal(lossy.drops, 0, 'the first reply was lost');
@@ -144,7 +149,7 @@ describe('a retried submit', LIMIT, () => {
     // No retry: a plain duplicate, even of the same payload.
     await assert.rejects(new Client({ redis: lossy.real, queue }).submit({ id: job.id, prompt: 'x', max_tokens: 4 }),
       DuplicateJobError);
-    assert.equal(await raw.sendCommand(['XLEN', c.keys.stream('default')]), 1);
+    assert.equal(await redis.raw.sendCommand(['XLEN', c.keys.stream('default')]), 1);
 
     // submitMany: a round trip re-sent after a lost reply finds its own jobs, and submits the rest.
     lossy.drops = 1;
@@ -155,7 +160,7 @@ describe('a retried submit', LIMIT, () => {
     const dup = new Client({ redis: new Lossy(lossy.real, 'before'), queue, graceMs: 10_000 });
     await assert.rejects(dup.submitMany([{ id: ids[0], prompt: 'z', max_tokens: 4 }, { prompt: 'new', max_tokens: 4 }]),
       (e) => e instanceof DuplicateJobError && e.ids.join() === ids[0] && e.jobs.length === 1);
-    assert.equal(await raw.sendCommand(['XLEN', c.keys.stream('default')]), 5);
+    assert.equal(await redis.raw.sendCommand(['XLEN', c.keys.stream('default')]), 5);
     await lossy.real.close();
   });
 });
@@ -299,23 +304,14 @@ describe('past the grace, or refused', LIMIT, () => {
 });
 
 describe('a stream followed across a failover that lost its last chunks', LIMIT, () => {
-  let srv;
-  let raw;
-  before(async () => {
-    srv = await startRedis();
-    raw = await rawClient(srv.url);
-  });
-  after(async () => {
-    await raw?.close();
-    await srv?.stop();
-  });
+  const redis = plainRedis();
 
   // Written by hand: the chunks the reader had from the old primary come again under new entry ids (the worker
   // heals the stream on the promoted replica); the reader yields each token once.
   test('skips the chunks written again', async () => {
-    const c = new Client({ url: srv.url, queue: randomQueue() });
+    const c = new Client({ url: redis.srv.url, queue: randomQueue() });
     const key = c.keys.events('j');
-    const chunk = (offset, ...ids) => raw.sendCommand(['XADD', key, '*', 'e',
+    const chunk = (offset, ...ids) => redis.raw.sendCommand(['XADD', key, '*', 'e',
       JSON.stringify({ type: 'token', text: ids.join(''), token_ids: ids }), 'o', String(offset)]);
     await chunk(0, 0, 1);
     await chunk(2, 2, 3);
@@ -327,7 +323,7 @@ describe('a stream followed across a failover that lost its last chunks', LIMIT,
     await chunk(2, 2, 3); // again, as after the failover
     await chunk(4, 4);
     const result = { id: 'j', status: 'completed', token_ids: [0, 1, 2, 3, 4] };
-    await raw.sendCommand(['XADD', key, '*', 'e', JSON.stringify({ type: 'done', result })]);
+    await redis.raw.sendCommand(['XADD', key, '*', 'e', JSON.stringify({ type: 'done', result })]);
     await reading;
     assert.deepEqual(got.slice(0, -1).flatMap((e) => e.token_ids), [0, 1, 2, 3, 4]);
     assert.deepEqual(got.slice(0, -1).map((e) => e.offset), [0, 2, 4]);
