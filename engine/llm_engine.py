@@ -78,6 +78,7 @@ class LLMEngine:
         if config.speculative == "ngram":
             speculator = Speculator(NgramProposer(), config.num_speculative_tokens, self.block_manager,
                                     config.max_num_batched_tokens, self.scheduler.watermark, self.speculation)
+            self.scheduler.on_finish = speculator.finished
         self.loop = StepLoop(self.runner, self.scheduler, self.groups, self.finishing, self.grammars, self.times,
                              self.eos_token_ids, overlap, constrained, speculator)
 

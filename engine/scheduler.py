@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -65,6 +66,7 @@ class Scheduler:
         # Blocks kept free at admission so running requests can grow a while before anyone is preempted;
         # without it a full pool admits a request only to preempt it again a step later.
         self.watermark = block_manager.num_blocks // 100
+        self.on_finish: Callable[[Sequence], None] | None = None  # told of every sequence that leaves the engine
 
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self.by_id:
@@ -342,6 +344,8 @@ class Scheduler:
             self.finished_running += 1
         seq.status = Status.FINISHED
         self.bm.free_seq(seq)
+        if self.on_finish is not None:
+            self.on_finish(seq)
 
     def forget(self, request_id: str) -> None:
         """A group's request ended: its id may come again."""
@@ -368,5 +372,7 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED
         self.bm.free_seq(seq)
+        if self.on_finish is not None:
+            self.on_finish(seq)
         if seq.group is None:
             self.by_id.pop(seq.request_id, None)

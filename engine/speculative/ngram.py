@@ -20,8 +20,11 @@ class NgramProposer:
         self.max_n = max_n
         self.min_n = min_n
 
-    def propose(self, seq: Sequence, k: int) -> list[int]:
-        return lookup(seq.token_ids, k, self.max_n, self.min_n)
+    def propose(self, wants: list[tuple[Sequence, int]]) -> list[list[int]]:
+        return [lookup(seq.token_ids, k, self.max_n, self.min_n) for seq, k in wants]
+
+    def finished(self, seq: Sequence) -> None:
+        pass  # nothing kept per sequence
 
 
 def lookup(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:

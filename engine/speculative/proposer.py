@@ -8,7 +8,12 @@ from engine.sequence import Sequence
 
 
 class Proposer(Protocol):
-    def propose(self, seq: Sequence, k: int) -> list[int]:
-        """Up to k tokens that may follow seq's tokens (prompt and output so far); [] when it has no guess. The
-        target model verifies them, so a wrong guess costs compute, never correctness."""
+    def propose(self, wants: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """Per (sequence, k) of a step: up to k tokens that may follow the sequence's tokens (prompt and output so
+        far); [] where it has no guess. One call per step, so a proposer that runs a model drafts for the whole
+        batch at once. The target model verifies them: a wrong guess costs compute, never correctness."""
+        ...
+
+    def finished(self, seq: Sequence) -> None:
+        """seq left the engine (finished, aborted): drop what is kept for it, learn from its output."""
         ...

@@ -47,9 +47,32 @@ class Speculator:
         """Draft tokens for the batch's greedy decode rows, within its token budget and the free blocks: each
         sequence's drafts appended to its token_ids (inputs of the step), its row's token count raised and its
         blocks grown -> the drafts by sequence (empty: none this step)."""
-        budget = self.max_tokens - batch.num_tokens
+        wants = self._wants(batch)
+        if not wants:
+            return {}
+        proposals = self.proposer.propose([(batch.seqs[i], k) for i, k in wants])
         drafts: dict[Sequence, list[int]] = {}
         counts = [0] * len(batch.seqs)
+        for (i, k), draft in zip(wants, proposals):
+            seq = batch.seqs[i]
+            draft = draft[: min(k, self._room(seq))]
+            if not draft:
+                continue
+            self.bm.append(seq, 1 + len(draft))
+            seq.token_ids.extend(draft)
+            batch.num_new_tokens[i] += len(draft)
+            counts[i] = len(draft)
+            drafts[seq] = draft
+        if drafts:
+            batch.num_drafts = counts
+            self.counts.steps += 1
+        return drafts
+
+    def _wants(self, batch: SchedulerOutput) -> list[tuple[int, int]]:
+        """(row, most draft tokens) for each of the batch's rows that may speculate this step, within its token
+        budget."""
+        budget = self.max_tokens - batch.num_tokens
+        wants = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             if budget <= 0:
                 break
@@ -57,20 +80,10 @@ class Speculator:
                 continue
             # Every landed token stays below max_len: the last one a step may land is at max_len - 1.
             k = min(self.k, budget, seq.max_len - len(seq.token_ids) - 1)
-            draft = self.proposer.propose(seq, k)[:k] if k > 0 else []
-            draft = draft[: self._room(seq)]
-            if not draft:
-                continue
-            self.bm.append(seq, 1 + len(draft))
-            seq.token_ids.extend(draft)
-            batch.num_new_tokens[i] += len(draft)
-            counts[i] = len(draft)
-            budget -= len(draft)
-            drafts[seq] = draft
-        if drafts:
-            batch.num_drafts = counts
-            self.counts.steps += 1
-        return drafts
+            if k > 0:
+                wants.append((i, k))
+                budget -= k
+        return wants
 
     def _room(self, seq: Sequence) -> int:
         """Draft tokens seq's blocks, and the free ones above the watermark, hold after its last token."""
@@ -102,6 +115,10 @@ class Speculator:
         self.counts.proposed += len(draft)
         self.counts.accepted += len(tokens) - 1
         return tokens
+
+    def finished(self, seq: Sequence) -> None:
+        """seq left the engine: the proposer drops what it keeps for it (Scheduler.on_finish)."""
+        self.proposer.finished(seq)
 
     def keep(self, seq: Sequence) -> None:
         """After seq's landed tokens are written in: share the blocks they filled, free those beyond them."""

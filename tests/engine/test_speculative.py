@@ -47,11 +47,11 @@ def test_lookup_overlapping_repeats():
 def test_ngram_proposer_reads_prompt_and_output():
     seq = _seq([10, 11, 12, 13, 14, 10, 11])
     proposer = NgramProposer(max_n=3, min_n=2)
-    assert proposer.propose(seq, 2) == [12, 13]
+    assert proposer.propose([(seq, 2)]) == [[12, 13]]
     seq.token_ids += [12, 99]  # output tokens count as well
-    assert proposer.propose(seq, 3) == []
+    assert proposer.propose([(seq, 3)]) == [[]]
     seq.token_ids += [10, 11, 12]
-    assert proposer.propose(seq, 4) == [99, 10, 11, 12]
+    assert proposer.propose([(seq, 4)]) == [[99, 10, 11, 12]]
 
 
 @pytest.mark.parametrize("sizes", [(0, 1), (2, 1), (4, 3)])
