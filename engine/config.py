@@ -14,6 +14,10 @@ SPECULATIVE = ("off", "ngram")
 # +19% from 64 to 256 sequences); a step is a few hundred ms, so 4,096 tokens keep prefill chunks in step with it.
 # CUDA: vLLM's own defaults for a single GPU, not yet measured here.
 BATCH_LIMITS = {"cpu": (256, 4096), "cuda": (256, 8192)}
+# Tokens per step before a forward costs twice a one-token one (EngineConfig.speculative_doubling_tokens). CPU:
+# measured with `python -m bench.speculative --step-costs` (docs/engine.md): SmolLM2-135M on a 2-core AMD EPYC Zen 4.
+# CUDA: an H100-class GPU reads weights for about as long as it computes 200-300 tokens; not yet measured here.
+DOUBLING_TOKENS = {"cpu": 16, "cuda": 256}
 
 
 @dataclass
@@ -67,11 +71,14 @@ class EngineConfig:
     nnodes: int = 1
     # CPU ranks of one host: all-reduces through shared memory (engine.parallel.shm_all_reduce), not gloo's sockets.
     shm_all_reduce: bool = True
-    # Speculative decoding (engine.speculative): "ngram" proposes up to num_speculative_tokens tokens per greedy
-    # sequence per step by prompt lookup, verified in the same forward; the output is the same, token for token.
-    # "off": one token per sequence per step.
+    # Speculative decoding (engine.speculative): "ngram" proposes up to num_speculative_tokens tokens per sequence
+    # per step by prompt lookup, verified in the same forward; the output is the same, token for token (seeded
+    # sampling too). "off": one token per sequence per step.
     speculative: str = "off"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 8
+    # The tokens a step takes on before it costs twice a one-token step (engine.speculative.policy): drafts fill
+    # steps below that, and a batch that is past it gets none. None: DOUBLING_TOKENS for the device.
+    speculative_doubling_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype is None:
@@ -104,6 +111,10 @@ class EngineConfig:
             raise ValueError(f"speculative must be one of {SPECULATIVE}, got {self.speculative!r}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.speculative_doubling_tokens is None:
+            self.speculative_doubling_tokens = DOUBLING_TOKENS.get(self.device.split(":")[0], DOUBLING_TOKENS["cpu"])
+        if self.speculative_doubling_tokens < 1:
+            raise ValueError(f"speculative_doubling_tokens must be >= 1, got {self.speculative_doubling_tokens}")
         if self.speculative == "off":
             return
         # A step's drafts are read from its sequences' tokens, and checked against its own tokens when it lands:

@@ -23,6 +23,7 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.self_check import self_check
 from engine.sequence import PLACEHOLDER
 from engine.speculative.ngram import NgramProposer
+from engine.speculative.policy import Policy
 from engine.speculative.verify import Speculator
 from engine.stats import SpeculationCounts, StepTimes
 from engine.step_loop import StepLoop
@@ -50,7 +51,7 @@ class LLMEngine:
         self.runner.times = self.times
         self.speculation = SpeculationCounts()  # draft tokens proposed and accepted, whether speculation is on or not
         if config.speculative != "off":
-            log.info("speculative decoding: %s, up to %d draft tokens per greedy sequence a step", config.speculative,
+            log.info("speculative decoding: %s, up to %d draft tokens per sequence a step", config.speculative,
                      config.num_speculative_tokens)
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._build(overlap=config.overlap_steps if config.overlap_steps is not None
@@ -76,8 +77,9 @@ class LLMEngine:
         self.finishing = Finishing(self.scheduler, self.groups)
         speculator = None
         if config.speculative == "ngram":
-            speculator = Speculator(NgramProposer(), config.num_speculative_tokens, self.block_manager,
-                                    config.max_num_batched_tokens, self.scheduler.watermark, self.speculation)
+            policy = Policy(config.num_speculative_tokens, config.speculative_doubling_tokens)
+            speculator = Speculator(NgramProposer(), policy, self.block_manager, config.max_num_batched_tokens,
+                                    self.scheduler.watermark, self.speculation)
             self.scheduler.on_finish = speculator.finished
         self.loop = StepLoop(self.runner, self.scheduler, self.groups, self.finishing, self.grammars, self.times,
                              self.eos_token_ids, overlap, constrained, speculator)

@@ -35,6 +35,7 @@ class SamplingParams:
     beam_width: int | None = None  # beams; None: best_of, else n
     length_penalty: float = 1.0  # beam search: a finished beam's score is its logprob / length ** length_penalty
     early_stopping: bool | str = False  # beam search: True, False or "never", as in transformers' generate
+    speculative: bool = True  # False: never draft tokens for it (engine.speculative), where the engine speculates
     # What the output must parse as (engine.structured.constraints): every token is picked from those the grammar allows,
     # and the request ends ("stop") where the grammar does.
     constraint: Constraint | None = None

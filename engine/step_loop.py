@@ -112,7 +112,7 @@ class StepLoop:
         if drafts and sample_from is not None:  # a group forks this step: its rows are mapped one per sampler
             self.speculator.undo(batch, drafts)
             drafts = None
-        sampling = self._sampling(_verify_rows(samplers, drafts) if drafts else samplers)
+        sampling = self._sampling(samplers, drafts)
         feed = self._feed(batch) if self.in_flight else None
         self.times.lap("schedule")
         tokens, logprobs, candidates = self.runner.run(batch, sampling, feed, self.bm.take_copies(), sample_from)
@@ -225,10 +225,10 @@ class StepLoop:
                 if text is not None:
                     texts[len(rows[0])] = text
                 _add_row(rows, seq, pos + i, token, reason, hide)
-                entries.append(_logprob_entry(step.logprobs, row, seq.params.logprobs, token)
+                entries.append(_logprob_entry(step.logprobs, row + i, seq.params.logprobs, token)
                                if scores is not None else None)
                 if scores is not None and seq.group is not None:
-                    seq.cumulative_logprob += float(scores[row, token])
+                    seq.cumulative_logprob += float(scores[row + i, token])
                 if reason is not None:
                     reported += end(seq, reason, hide)
                     break
@@ -246,8 +246,10 @@ class StepLoop:
                 reported += self.groups.beam_step(group, values.tolist(), indices.tolist(), self.vocab_size)
         return reported
 
-    def _sampling(self, samplers: list[Sequence]) -> SamplingBatch:
-        batch = self._sampling_settings(samplers)
+    def _sampling(self, samplers: list[Sequence], drafts: dict[Sequence, list[int]] | None = None) -> SamplingBatch:
+        batch = self._sampling_settings(samplers, drafts)
+        if drafts:
+            samplers = _verify_rows(samplers, drafts)
         if self.constrained:
             self.times.lap("schedule")
             rows = [r for r, s in enumerate(samplers) if s.matcher is not None]
@@ -257,19 +259,23 @@ class StepLoop:
             self.times.lap("mask")
         return batch
 
-    def _sampling_settings(self, samplers: list[Sequence]) -> SamplingBatch:
+    def _sampling_settings(self, samplers: list[Sequence], drafts: dict[Sequence, list[int]] | None
+                           ) -> SamplingBatch:
         if all(map(_PLAIN_GREEDY, samplers)):  # the common batch: one argmax, no per-row settings to gather
             return SamplingBatch.greedy()
-        params = [s.params for s in samplers]
+        rows = _verify_rows(samplers, drafts) if drafts else samplers
+        # Each row samples the token at its end: a drafted sequence's rows end at its last token and at each draft.
+        ends = _row_ends(samplers, drafts) if drafts else [len(s.token_ids) for s in samplers]
+        params = [s.params for s in rows]
         needs_history = any(p.uses_history for p in params)
         return SamplingBatch(
             params=params,
-            seeds=[s.seed for s in samplers],
-            steps=[len(s.token_ids) - s.num_prompt_tokens for s in samplers],
-            output_ids=[s.output_token_ids for s in samplers] if needs_history else None,
-            prompt_ids=[s.token_ids[: s.num_prompt_tokens] for s in samplers] if needs_history else None,
+            seeds=[s.seed for s in rows],
+            steps=[end - s.num_prompt_tokens for s, end in zip(rows, ends)],
+            output_ids=[s.token_ids[s.num_prompt_tokens: end] for s, end in zip(rows, ends)] if needs_history else None,
+            prompt_ids=[s.token_ids[: s.num_prompt_tokens] for s in rows] if needs_history else None,
             eos_ids=self.eos_ids,
-            beams=self._beam_rows(samplers),
+            beams=self._beam_rows(rows),
         )
 
     @staticmethod
@@ -313,3 +319,13 @@ def _verify_rows(samplers: list[Sequence], drafts: dict[Sequence, list[int]]) ->
         draft = drafts.get(seq)
         rows += [seq] * (1 + len(draft)) if draft else [seq]
     return rows
+
+
+def _row_ends(samplers: list[Sequence], drafts: dict[Sequence, list[int]]) -> list[int]:
+    """Per row of _verify_rows, where the token it samples goes: a drafted sequence's tokens hold its drafts now, and
+    its rows sample after its last token and after each draft."""
+    ends = []
+    for seq in samplers:
+        size, draft = len(seq.token_ids), drafts.get(seq)
+        ends += range(size - len(draft), size + 1) if draft else [size]
+    return ends

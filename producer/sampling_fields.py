@@ -106,6 +106,9 @@ SAMPLING: tuple[SamplingField, ...] = (
     _f("beam_width", int | None, None, ge=1, le=INT32_MAX, openai=()),
     _f("length_penalty", float, 1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY),
     _f("early_stopping", bool | Literal["never"], False),  # transformers' meaning
+    # false: this job never speculates on a worker that does (--speculative). Its tokens are the same either way;
+    # a job that measures its own step times, or a worker's operator, may want it plain.
+    _f("speculative", bool, True),
 )
 
 BY_NAME: dict[str, SamplingField] = {f.name: f for f in SAMPLING}

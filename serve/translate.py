@@ -13,7 +13,8 @@ where it is, wherever it is in the body.
 A field sent as null counts as absent (the SDKs and many apps send nulls). Beyond OpenAI's fields, vLLM's
 sampling extensions that the engine has are accepted too (`top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos`, `stop_token_ids`, and on both endpoints `best_of` and beam search: `use_beam_search`,
-`length_penalty`, `early_stopping`, the width being `best_of` or else `n`), and `priority`.
+`length_penalty`, `early_stopping`, the width being `best_of` or else `n`), pagedq's `speculative` (false: the
+job never speculates) and `priority`.
 
 OpenAI's `service_tier` (on both endpoints) picks the job's lane: "auto"/"default" the API key's, "flex" the batch
 lane, "priority" the interactive lane. `parse` only checks that it is one of those; what a key may ask for, and

@@ -40,7 +40,7 @@ export interface Message {
  * One generation job (producer/protocol.py JobRequest). Give exactly one of `prompt` and `messages`. Every string
  * in it (prompt, messages, stop, model, constraints, metadata keys and values) must be valid Unicode: a lone
  * surrogate ('\ud800') is refused, naming where it is (`metadata.a[1]`); surrogate pairs (emoji) are fine.
- * Integers must be safe integers (`Number.isSafeInteger`). The sampling fields (max_tokens ... early_stopping) are
+ * Integers must be safe integers (`Number.isSafeInteger`). The sampling fields (max_tokens ... speculative) are
  * producer/sampling_fields.py's table; tests/queue/test_sampling_fields.py holds their names and types here to it.
  */
 export interface JobRequest {
@@ -86,6 +86,8 @@ export interface JobRequest {
   /** Beam search divides by length ** length_penalty: -10 to 10, default 1.0. */
   length_penalty?: number;
   early_stopping?: boolean | 'never';
+  /** false: never speculates on a worker started with --speculative (its tokens are the same either way). */
+  speculative?: boolean;
   /**
    * Structured output: give at most one of `response_format` (type `text` does not count) and the `guided_*`
    * fields, and none with `use_beam_search`. The worker masks every token the constraint does not allow; the

@@ -1,13 +1,18 @@
-"""The verify step's bookkeeping: draft tokens attached to a step's greedy decode rows, and what lands of them.
+"""The verify step's bookkeeping: draft tokens attached to a step's decode rows, and what lands of them.
 
 A decoding sequence computes one token a step: its last. With k draft tokens it computes k + 1 (its last and the
-drafts, one query of k + 1 tokens, as a prefill chunk is), and the target's argmax at each of them is sampled. The
-drafts agreeing with those argmaxes are accepted, and the argmax after the last accepted one comes free: 1 to k + 1
-tokens a step, each exactly the token greedy decoding gives. The KV written for a rejected draft is simply not
-counted as computed; blocks that only rejected drafts wrote are freed when the step lands (BlockManager.trim).
+drafts, one query of k + 1 tokens, as a prefill chunk is), and a token is drawn at each of them exactly as decoding
+without drafts would draw it there: greedy, the argmax; sampling, the draw its seed and output position fix
+(engine.runner.sampler). The drafts agreeing with those tokens are accepted, and the token after the last accepted
+one comes free: 1 to k + 1 tokens a step, each the token decoding without speculation gives. For a proposer whose
+draft is one guess (a point mass), this is speculative rejection sampling's own rule: a draft x is kept with the
+target's probability p(x), and where it is not, the token landed is the target's draw given that it is not x, so the
+output's distribution is the target's; a seeded request gets the very same tokens, wherever it runs or resumes.
+The KV written for a rejected draft is simply not counted as computed; blocks that only rejected drafts wrote are
+freed when the step lands (BlockManager.trim). How many drafts a sequence gets is the policy's (policy.py).
 
-Speculation is off for a sequence that samples (temperature > 0), needs logprobs, penalties or min_tokens (not
-plain greedy), belongs to a group (n > 1, best_of, beams) or has a constraint.
+Speculation is off for a request that asks so (SamplingParams.speculative), for a sequence in a group (n > 1, best_of, beams: their continuations fork and step together)
+and for one with a constraint.
 """
 
 from __future__ import annotations
@@ -15,13 +20,14 @@ from __future__ import annotations
 from engine.block_manager import BlockManager
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
+from engine.speculative.policy import Policy
 from engine.speculative.proposer import Proposer
 from engine.stats import SpeculationCounts
 
 
 def speculates(seq: Sequence) -> bool:
     """Whether seq may carry draft tokens: see the module's docstring."""
-    return seq.plain_greedy and seq.group is None and seq.matcher is None
+    return seq.params.speculative and seq.group is None and seq.matcher is None
 
 
 def accepted(draft: list[int], targets: list[int]) -> list[int]:
@@ -34,10 +40,10 @@ def accepted(draft: list[int], targets: list[int]) -> list[int]:
 
 
 class Speculator:
-    def __init__(self, proposer: Proposer, k: int, bm: BlockManager, max_num_batched_tokens: int, watermark: int,
-                 counts: SpeculationCounts) -> None:
+    def __init__(self, proposer: Proposer, policy: Policy, bm: BlockManager, max_num_batched_tokens: int,
+                 watermark: int, counts: SpeculationCounts) -> None:
         self.proposer = proposer
-        self.k = k
+        self.policy = policy
         self.bm = bm
         self.max_tokens = max_num_batched_tokens
         self.watermark = watermark  # free blocks drafts never take: the scheduler keeps them for growth
@@ -69,17 +75,26 @@ class Speculator:
         return drafts
 
     def _wants(self, batch: SchedulerOutput) -> list[tuple[int, int]]:
-        """(row, most draft tokens) for each of the batch's rows that may speculate this step, within its token
-        budget."""
-        budget = self.max_tokens - batch.num_tokens
-        wants = []
+        """(row, most draft tokens) for each of the batch's rows that speculates this step: the policy's share,
+        within the step's token budget."""
+        rows, limits = [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            if budget <= 0:
-                break
             if n != 1 or seq.num_computed_tokens + 1 != len(seq.token_ids) or not speculates(seq):
                 continue
             # Every landed token stays below max_len: the last one a step may land is at max_len - 1.
-            k = min(self.k, budget, seq.max_len - len(seq.token_ids) - 1)
+            limit = seq.max_len - len(seq.token_ids) - 1
+            if limit > 0:
+                rows.append(i)
+                limits.append(limit)
+        if not rows:
+            return []
+        samplers = sum(1 for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.num_computed_tokens + n ==
+                       len(seq.token_ids))
+        ks = self.policy.plan([batch.seqs[i] for i in rows], limits, batch.num_tokens, samplers)
+        budget = self.max_tokens - batch.num_tokens
+        wants = []
+        for i, k in zip(rows, ks):
+            k = min(k, budget)
             if k > 0:
                 wants.append((i, k))
                 budget -= k
@@ -112,6 +127,7 @@ class Speculator:
         """A drafted sequence's step landed -> the tokens it lands. The accepted drafts' KV counts as computed."""
         tokens = accepted(draft, targets)
         seq.num_computed_tokens += len(tokens) - 1
+        self.policy.record(seq, len(draft), len(tokens) - 1)
         self.counts.proposed += len(draft)
         self.counts.accepted += len(tokens) - 1
         return tokens
@@ -119,6 +135,7 @@ class Speculator:
     def finished(self, seq: Sequence) -> None:
         """seq left the engine: the proposer drops what it keeps for it (Scheduler.on_finish)."""
         self.proposer.finished(seq)
+        self.policy.forget(seq)
 
     def keep(self, seq: Sequence) -> None:
         """After seq's landed tokens are written in: share the blocks they filled, free those beyond them."""

@@ -83,6 +83,7 @@ FIELDS = {
     "beam_width": st.none() | ints(1, P.INT32_MAX, st.integers(1, 4)) | st.sampled_from([32, 33]),
     "length_penalty": reals(-P.MAX_LENGTH_PENALTY, P.MAX_LENGTH_PENALTY, st.sampled_from([1.0, 2000.0, -2000.0])),
     "early_stopping": st.sampled_from([True, False, "never", "sometimes"]) | junk,
+    "speculative": st.booleans() | st.sampled_from([0, 1, "false", "no"]) | junk,
     "response_format": st.none() | st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "xml"}])
     | schema.map(lambda s: {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}) | junk,
     "guided_json": st.none() | schema | st.just("{not json") | junk,

@@ -34,6 +34,7 @@ const DEFAULTS = {
   beam_width: null,
   length_penalty: 1.0,
   early_stopping: false,
+  speculative: true,
   response_format: null,
   guided_json: null,
   guided_regex: null,
@@ -376,6 +377,8 @@ export function makeRequest(request, limits = DEFAULT_LIMITS) {
 
   req.ignore_eos = get('ignore_eos');
   if (typeof req.ignore_eos !== 'boolean') fail('ignore_eos', `must be true or false, got ${show(req.ignore_eos)}`);
+  req.speculative = get('speculative');
+  if (typeof req.speculative !== 'boolean') fail('speculative', `must be true or false, got ${show(req.speculative)}`);
   req.logprobs = get('logprobs') === null ? null : int('logprobs', get('logprobs'), { min: 0, max: 20 });
   // The lane's stream it is queued on (read before the lanes below it); exactly one of LANES (null is refused,
   // as Python's Literal refuses None).

@@ -54,6 +54,8 @@ describe('requests', () => {
     [{ prompt: 'a', use_beam_search: true, beam_width: 33, temperature: 0 }, 'beam_width', /limit is 32/],
     [{ prompt: 'a', use_beam_search: 'yes' }, 'use_beam_search', /true or false/],
     [{ prompt: 'a', early_stopping: 'sometimes' }, 'early_stopping', /"never"/],
+    [{ prompt: 'a', speculative: 'no' }, 'speculative', /true or false/],
+    [{ prompt: 'a', speculative: 0 }, 'speculative', /true or false/],
     [{ prompt: 'a', lane: 'urgent' }, 'lane', /must be one of interactive, default, batch, got "urgent"$/],
     [{ prompt: 'a', lane: 'Batch' }, 'lane', /one of interactive, default, batch/],
     [{ prompt: 'a', lane: null }, 'lane', /got null$/],
@@ -106,7 +108,7 @@ describe('requests', () => {
         early_stopping: 'never', temperature: 0 },
       { id: 'd', prompt: 'p', max_tokens: 256, temperature: 1, stop: [], metadata: {}, n: 1 }, // all defaults: left out
       { id: 'g', prompt: 'p', lane: 'batch', group: 'acme', priority: 2 },
-      { id: 'h', prompt: 'p', lane: 'interactive' },
+      { id: 'h', prompt: 'p', lane: 'interactive', speculative: false },
       { id: 'i', prompt: 'p', group: 'x@y.z:-_' },
       { id: 'j', prompt: 'p', lane: 'default', group: null }, // defaults: left out
     ];
