@@ -107,3 +107,14 @@ def test_config_checks():
     with pytest.raises(ValueError, match="draft_quantization"):
         EngineConfig(speculative="draft", draft_model="x", draft_quantization="int3")
     assert EngineConfig(speculative="draft", draft_model="x").overlap_steps is False
+
+
+def test_worker_options():
+    from cli.worker import engine_config, worker
+
+    ctx = worker.make_context("worker", ["--speculative", "draft", "--draft-model", "tiny-draft",
+                                         "--draft-quantization", "int4", "--num-kv-blocks", "64"])
+    config = engine_config(dict(ctx.params))
+    assert (config.speculative, config.draft_model, config.draft_quantization) == ("draft", "tiny-draft", "int4")
+    with pytest.raises(ValueError, match="needs draft_model"):
+        engine_config(dict(worker.make_context("worker", ["--speculative", "draft"]).params))
