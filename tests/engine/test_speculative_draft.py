@@ -56,6 +56,7 @@ def test_target_drafting_for_itself_accepts_nearly_all(make_engine, tiny_model):
     assert counts.proposed > 0 and counts.accepted / counts.proposed >= 0.9, counts
 
 
+@pytest.mark.slow
 def test_another_draft_changes_nothing(make_engine):
     other = cached_tiny_model("llama", seed=1)  # the same vocabulary, other weights: drafts mostly rejected
     off, on = _draft_pair(make_engine, other, block_size=4)
@@ -65,6 +66,7 @@ def test_another_draft_changes_nothing(make_engine):
     assert counts.proposed > 0 and counts.accepted < counts.proposed
 
 
+@pytest.mark.slow
 def test_mixed_batch_and_small_budget(make_engine):
     # Sampled rows beside drafted ones, and prompts longer than a step's tokens: the catch-up goes in chunks.
     other = cached_tiny_model("llama", seed=1)
@@ -82,6 +84,7 @@ def test_draft_kv_pool_too_small_drafts_less(make_engine, tiny_model):
     assert on.speculation.accepted > 0
 
 
+@pytest.mark.slow
 def test_reset_builds_a_fresh_draft(make_engine, tiny_model):
     off, on = _draft_pair(make_engine, tiny_model("llama"), block_size=8)
     on.add_request("x", HITS[0], params=GREEDY)
@@ -118,3 +121,18 @@ def test_worker_options():
     assert (config.speculative, config.draft_model, config.draft_quantization) == ("draft", "tiny-draft", "int4")
     with pytest.raises(ValueError, match="needs draft_model"):
         engine_config(dict(worker.make_context("worker", ["--speculative", "draft"]).params))
+
+
+def test_smollm2_drafted_by_its_quantized_self(smollm2, make_engine):
+    """The real pair: SmolLM2 in float32 verifies what its own Q4_1 GGUF blocks draft. The output is the float
+    model's, token for token; most drafts are accepted."""
+    on = make_engine("smollm2-135m-instruct", max_num_seqs=16, num_kv_blocks=512, quantization="none",
+                     speculative="draft", draft_model="smollm2-135m-instruct", draft_quantization="auto")
+    assert on.draft.quantized  # the draft kept the GGUF's blocks
+    prompts = [smollm2.apply_chat_template([{"role": "user", "content": q}]) for q in
+               ("Name three colors of the rainbow.", "What is the capital of France? Answer in one sentence.")]
+    params = SamplingParams(max_tokens=48, temperature=0)
+    want = smollm2.generate(prompts, params)
+    got = on.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert on.speculation.acceptance_rate > 0.5, on.speculation
