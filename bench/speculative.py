@@ -1,8 +1,12 @@
 """Speculative decoding on one grounded stream: a model summarizes a ~800-token report, greedy, speculation off and
-on (n-gram prompt lookup), in one process: decode tokens/s, steps, draft tokens proposed and accepted, and that the
-text is the same.
+on (n-gram prompt lookup, or a draft model), in one process: decode tokens/s, steps, draft tokens proposed and
+accepted, and that the text is the same.
 
     python -m bench.speculative [--model smollm2-135m-instruct] [--quantization none] [--k 4 8] [--max-tokens 200]
+        [--mode ngram draft] [--draft-model MODEL] [--draft-quantization auto]
+
+--draft-model defaults to --model: with --quantization none and --draft-quantization auto on a GGUF, the float model
+verifies what its own quantized blocks draft.
 """
 
 from __future__ import annotations
@@ -52,9 +56,10 @@ QUESTION = ("Summarize the report above. Keep the key facts and numbers: the pha
 
 
 
-def measure(model: str, quantization: str, mode: str, k: int, max_tokens: int, reps: int) -> dict:
-    """The best of `reps` runs of the summary alone on a fresh engine -> its figures and text."""
-    eng = LLMEngine(EngineConfig(model=model, quantization=quantization, speculative=mode, num_speculative_tokens=k))
+def measure(config: dict, mode: str, k: int, max_tokens: int, reps: int) -> dict:
+    """The best of `reps` runs of the summary alone on a fresh engine (EngineConfig fields `config`) -> its figures
+    and text."""
+    eng = LLMEngine(EngineConfig(**config, speculative=mode, num_speculative_tokens=k))
     ids = eng.apply_chat_template([{"role": "user", "content": DOC + "\n\n" + QUESTION}])
     eng.generate([ids[:64]], SamplingParams(max_tokens=8, temperature=0))  # warm-up: kernels, allocator
     best = None
@@ -89,10 +94,16 @@ def main() -> None:
     ap.add_argument("--k", type=int, nargs="+", default=[4], help="num_speculative_tokens values to run")
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--mode", nargs="+", default=["ngram"], choices=["ngram", "draft"], help="proposers to run")
+    ap.add_argument("--draft-model", help="with --mode draft; default: --model")
+    ap.add_argument("--draft-quantization", default=EngineConfig.draft_quantization)
+    ap.add_argument("--num-kv-blocks", type=int, help="KV blocks of each engine; default: sized from memory")
     args = ap.parse_args()
-    run = (args.model, args.quantization)
-    off = measure(*run, "off", 1, args.max_tokens, args.reps)
-    rows = [off] + [measure(*run, "ngram", k, args.max_tokens, args.reps) for k in args.k]
+    run = dict(model=args.model, quantization=args.quantization, num_kv_blocks=args.num_kv_blocks)
+    draft = dict(draft_model=args.draft_model or args.model, draft_quantization=args.draft_quantization)
+    off = measure(run, "off", 1, args.max_tokens, args.reps)
+    rows = [off] + [measure({**run, **(draft if mode == "draft" else {})}, mode, k, args.max_tokens, args.reps)
+                    for mode in args.mode for k in args.k]
     for r in rows:
         rate = r["accepted"] / r["proposed"] if r["proposed"] else 0.0
         print(f"{r['mode']:5} k={r['k']} prompt={r['prompt']} out={r['tokens']} steps={r['steps']} "

@@ -8,7 +8,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 AUTO = "auto"  # bfloat16 on CUDA and on CPUs with bfloat16 matmul units (AVX-512 BF16, AMX); float32 elsewhere
 BACKENDS = ("auto", "torch", "cpu", "triton")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
-SPECULATIVE = ("off", "ngram")
+SPECULATIVE = ("off", "ngram", "draft")
 # (max_num_seqs, max_num_batched_tokens) by device. CPU: measured with `pagedq bench` (docs/benchmarks.md, "vLLM as a peer"): a
 # decode step reads every weight once whatever the batch, so more sequences per step amortize that read (mixed:
 # +19% from 64 to 256 sequences); a step is a few hundred ms, so 4,096 tokens keep prefill chunks in step with it.
@@ -73,9 +73,13 @@ class EngineConfig:
     shm_all_reduce: bool = True
     # Speculative decoding (engine.speculative): "ngram" proposes up to num_speculative_tokens tokens per sequence
     # per step by prompt lookup, verified in the same forward; the output is the same, token for token (seeded
-    # sampling too). "off": one token per sequence per step.
+    # sampling too). "draft": a draft model (draft_model, sharing the target's tokenizer; its weights as
+    # draft_quantization says, with quantization's choices) proposes them, greedy (engine.speculative.draft). "off":
+    # one token per sequence per step.
     speculative: str = "off"
     num_speculative_tokens: int = 8
+    draft_model: str | None = None
+    draft_quantization: str = "auto"
     # The tokens a step takes on before it costs twice a one-token step (engine.speculative.policy): drafts fill
     # steps below that, and a batch that is past it gets none. None: DOUBLING_TOKENS for the device.
     speculative_doubling_tokens: int | None = None
@@ -115,6 +119,10 @@ class EngineConfig:
             self.speculative_doubling_tokens = DOUBLING_TOKENS.get(self.device.split(":")[0], DOUBLING_TOKENS["cpu"])
         if self.speculative_doubling_tokens < 1:
             raise ValueError(f"speculative_doubling_tokens must be >= 1, got {self.speculative_doubling_tokens}")
+        if self.speculative == "draft" and not self.draft_model:
+            raise ValueError('speculative="draft" needs draft_model: the draft model\'s alias, folder or .gguf file')
+        if self.draft_quantization not in QUANTIZATIONS:
+            raise ValueError(f"draft_quantization must be one of {QUANTIZATIONS}, got {self.draft_quantization!r}")
         if self.speculative == "off":
             return
         # A step's drafts are read from its sequences' tokens, and checked against its own tokens when it lands:

@@ -22,6 +22,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.self_check import self_check
 from engine.sequence import PLACEHOLDER
+from engine.speculative.draft import DraftProposer, load_draft
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.policy import Policy
 from engine.speculative.verify import Speculator
@@ -50,6 +51,9 @@ class LLMEngine:
         self.times = StepTimes()
         self.runner.times = self.times
         self.speculation = SpeculationCounts()  # draft tokens proposed and accepted, whether speculation is on or not
+        self.draft = load_draft(config, self.runner, self.tokenizer) if config.speculative == "draft" else None
+        if self.draft is not None:
+            self.draft.times = self.times  # its forwards count in the step's phases
         if config.speculative != "off":
             log.info("speculative decoding: %s, up to %d draft tokens per sequence a step", config.speculative,
                      config.num_speculative_tokens)
@@ -76,9 +80,12 @@ class LLMEngine:
         self.intake = Intake(self.tokenizer, self.grammars, self.scheduler, limits, self.eos_token_ids, self.rng)
         self.finishing = Finishing(self.scheduler, self.groups)
         speculator = None
-        if config.speculative == "ngram":
-            policy = Policy(config.num_speculative_tokens, config.speculative_doubling_tokens)
-            speculator = Speculator(NgramProposer(), policy, self.block_manager, config.max_num_batched_tokens,
+        if config.speculative != "off":
+            proposer = NgramProposer() if self.draft is None else \
+                DraftProposer(self.draft, config.block_size, config.max_num_batched_tokens)
+            policy = Policy(config.num_speculative_tokens, config.speculative_doubling_tokens,
+                            getattr(proposer, "step_cost", 0.0))
+            speculator = Speculator(proposer, policy, self.block_manager, config.max_num_batched_tokens,
                                     self.scheduler.watermark, self.speculation)
             self.scheduler.on_finish = speculator.finished
         self.loop = StepLoop(self.runner, self.scheduler, self.groups, self.finishing, self.grammars, self.times,

@@ -3,7 +3,8 @@
 A draft token's worth is the tokens it is expected to add: the j-th draft of a sequence lands only if the j - 1
 before it were accepted too, so with a per-token acceptance rate a it adds a ** j. Its cost is a bigger step: a
 forward of T tokens costs about 1 + T / doubling_tokens one-token steps (below doubling_tokens tokens, reading the
-weights dominates and more tokens come almost free; past it, compute does). Drafts are taken best first while each
+weights dominates and more tokens come almost free; past it, compute does), plus what the proposer spends on it (a
+draft model's forwards). Drafts are taken best first while each
 raises the step's expected tokens per unit of cost, so a small batch speculates, a sequence whose drafts keep
 failing gets fewer, and a batch large enough to be compute-bound gets none: speculation turns itself off.
 
@@ -37,9 +38,12 @@ class Rate:
 
 
 class Policy:
-    def __init__(self, max_k: int, doubling_tokens: int) -> None:
+    def __init__(self, max_k: int, doubling_tokens: int, draft_cost: float = 0.0) -> None:
+        """draft_cost: what the proposer spends per draft token, in one-token target steps (a draft model's
+        forward; 0 for a lookup)."""
         self.max_k = max_k
         self.doubling = doubling_tokens
+        self.draft_cost = draft_cost
         self.rates: dict[Sequence, Rate] = {}
         self.total = Rate(START_RATE * PRIOR_WEIGHT, (1 - START_RATE) * PRIOR_WEIGHT)
 
@@ -57,16 +61,18 @@ class Policy:
         total.accepted = total.accepted * DRIFT + START_RATE * PRIOR_WEIGHT * (1 - DRIFT)
         total.rejected = total.rejected * DRIFT + (1 - START_RATE) * PRIOR_WEIGHT * (1 - DRIFT)
         rates = [self.rate(seq) for seq in seqs]
-        gain, tokens = float(num_samplers), num_tokens
+        # In one-token steps: the step's cost, and what one more draft token adds to it.
+        gain, cost = float(num_samplers), 1 + num_tokens / self.doubling
+        extra = 1 / self.doubling + self.draft_cost
         ks = [0] * len(seqs)
         # Worth of the next draft per sequence; the best is taken while it beats the step's tokens per cost.
         worth = list(rates)
         while True:
             best = max(range(len(seqs)), key=worth.__getitem__, default=None)
-            if best is None or worth[best] * (self.doubling + tokens) <= gain:
+            if best is None or worth[best] * cost <= gain * extra:
                 self._idle(seqs, ks)
                 return ks
-            gain, tokens = gain + worth[best], tokens + 1
+            gain, cost = gain + worth[best], cost + extra
             ks[best] += 1
             worth[best] = worth[best] * rates[best] if ks[best] < min(self.max_k, limits[best]) else 0.0
 

@@ -238,7 +238,8 @@ ROOMS = {
     "parallel": {"engine.config"},
     "models": {"engine.weights", "engine.parallel"},
     "runner": {"engine.models", "engine.weights", "engine.parallel", *CORE_DATA},
-    "speculative": {*CORE_DATA, "engine.block_manager"},
+    # A draft model (speculative.draft) runs on a runner of its own, loaded as the target is.
+    "speculative": {*CORE_DATA, "engine.block_manager", "engine.runner", "engine.weights"},
 }
 
 
