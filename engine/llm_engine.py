@@ -22,6 +22,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.self_check import self_check
 from engine.sequence import PLACEHOLDER
+from engine.speculative.constrained import ConstrainedProposer
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.verify import Speculator
 from engine.stats import SpeculationCounts, StepTimes
@@ -76,7 +77,9 @@ class LLMEngine:
         self.finishing = Finishing(self.scheduler, self.groups)
         speculator = None
         if config.speculative == "ngram":
-            speculator = Speculator(NgramProposer(), config.num_speculative_tokens, self.block_manager,
+            # Constrained sequences draft their grammar's forced tokens first; the others, the n-gram's guess.
+            proposer = ConstrainedProposer(NgramProposer())
+            speculator = Speculator(proposer, config.num_speculative_tokens, self.block_manager,
                                     config.max_num_batched_tokens, self.scheduler.watermark, self.speculation)
             self.scheduler.on_finish = speculator.finished
         self.loop = StepLoop(self.runner, self.scheduler, self.groups, self.finishing, self.grammars, self.times,

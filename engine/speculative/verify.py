@@ -21,7 +21,7 @@ from engine.stats import SpeculationCounts
 
 def speculates(seq: Sequence) -> bool:
     """Whether seq may carry draft tokens: see the module's docstring."""
-    return seq.plain_greedy and seq.group is None and seq.matcher is None
+    return seq.plain_greedy and seq.group is None  # a constraint's drafts: engine.speculative.constrained
 
 
 def accepted(draft: list[int], targets: list[int]) -> list[int]:
