@@ -156,3 +156,25 @@ def test_preemption_with_constraints_changes_nothing(make_engine):
     check_outputs(outs)
     assert preempted and on.speculation.accepted > 0
     assert run(on, PROMPTS, PARAMS)  # and the pool is whole again (run checks it)
+
+
+@pytest.mark.slow
+def test_smollm2_extraction_is_the_same(smollm2, make_engine):
+    """The real model extracting facts under a schema: its keys are forced, its values copied from the prompt."""
+    on = make_engine("smollm2-135m-instruct", max_num_seqs=16, num_kv_blocks=512, quantization="none",
+                     speculative="ngram")
+    doc = ("The Harbor Bridge opened in 1932 and carries 48,000 vehicles a day. Its renovation costs 62 million "
+           "euros. Nordbau Infrastructure is the contractor.")
+    schema = {"type": "object", "additionalProperties": False,
+              "properties": {"bridge_name": {"type": "string", "maxLength": 40},
+                             "year_opened": {"type": "integer"}, "vehicles_per_day": {"type": "integer"},
+                             "renovation_cost_million_euros": {"type": "number"},
+                             "main_contractor_name": {"type": "string", "maxLength": 40}}}
+    schema["required"] = list(schema["properties"])
+    prompt = smollm2.apply_chat_template([{"role": "user", "content": doc + "\n\nExtract the facts as JSON."}])
+    params = SamplingParams(max_tokens=120, temperature=0, constraint=Constraint("json_schema", schema))
+    (want,) = smollm2.generate([prompt], params)
+    (got,) = on.generate([prompt], params)
+    assert got.token_ids == want.token_ids and got.finish_reason == "stop"
+    jsonschema.validate(json.loads(got.text), schema)
+    assert on.speculation.accepted >= 0.5 * on.speculation.proposed > 0
