@@ -3,10 +3,11 @@ on (n-gram prompt lookup, or a draft model), in one process: decode tokens/s, st
 accepted, and that the text is the same.
 
     python -m bench.speculative [--model smollm2-135m-instruct] [--quantization none] [--k 4 8] [--max-tokens 200]
-        [--mode ngram draft] [--draft-model MODEL] [--draft-quantization auto]
+        [--mode ngram draft] [--draft-model MODEL] [--draft-quantization auto] [--job summary|json]
 
 --draft-model defaults to --model: with --quantization none and --draft-quantization auto on a GGUF, the float model
-verifies what its own quantized blocks draft.
+verifies what its own quantized blocks draft. --job json extracts the report's facts as JSON under a schema instead
+(constrained greedy: the grammar's forced tokens are drafted first, engine/speculative/constrained.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import Constraint, EngineConfig, LLMEngine, SamplingParams
 
 DOC = """The Harbor Bridge Renovation Project: Annual Report
 
@@ -53,28 +54,51 @@ mounted on the arch."""
 QUESTION = ("Summarize the report above. Keep the key facts and numbers: the phases, the budget and who pays it, "
             "the contractor, the traffic changes, the problems, and the next steps.")
 
+EXTRACT = "Extract the facts of the report above as JSON."
+_NUMBER = {"type": "number"}
+_INTEGER = {"type": "integer"}
+_TEXT = {"type": "string", "maxLength": 60}
+SCHEMA = {  # long fixed keys, values copied from the report: forced tokens and prompt lookup both have work
+    "type": "object",
+    "properties": {
+        "bridge_name": _TEXT, "year_opened": _INTEGER, "vehicles_per_day": _INTEGER,
+        "total_budget_million_euros": _NUMBER, "national_fund_million_euros": _NUMBER,
+        "regional_government_million_euros": _NUMBER, "city_million_euros": _NUMBER,
+        "spent_by_end_of_year_million_euros": _NUMBER, "main_contractor": _TEXT, "workers_on_site": _INTEGER,
+        "lanes_open_during_works": _INTEGER, "rush_hour_minutes_before": _INTEGER,
+        "rush_hour_minutes_during_works": _INTEGER, "new_bus_lines": {"type": "array", "items": _TEXT},
+        "ferry_passenger_increase_percent": _NUMBER, "expected_completion": _TEXT,
+    },
+    "additionalProperties": False,
+}
+SCHEMA["required"] = list(SCHEMA["properties"])
 
 
+def job_params(job: str, max_tokens: int) -> SamplingParams:
+    constraint = Constraint("json_schema", SCHEMA) if job == "json" else None
+    return SamplingParams(max_tokens=max_tokens, temperature=0, constraint=constraint)
 
-def measure(config: dict, mode: str, k: int, max_tokens: int, reps: int) -> dict:
-    """The best of `reps` runs of the summary alone on a fresh engine (EngineConfig fields `config`) -> its figures
-    and text."""
+
+def measure(config: dict, mode: str, k: int, max_tokens: int, reps: int, job: str = "summary") -> dict:
+    """The best of `reps` runs of the job alone on a fresh engine (EngineConfig fields `config`) -> its figures and
+    text."""
     eng = LLMEngine(EngineConfig(**config, speculative=mode, num_speculative_tokens=k))
-    ids = eng.apply_chat_template([{"role": "user", "content": DOC + "\n\n" + QUESTION}])
-    eng.generate([ids[:64]], SamplingParams(max_tokens=8, temperature=0))  # warm-up: kernels, allocator
+    question = EXTRACT if job == "json" else QUESTION
+    ids = eng.apply_chat_template([{"role": "user", "content": DOC + "\n\n" + question}])
+    eng.generate([ids[:64]], job_params(job, 8))  # warm-up: kernels, allocator (and the schema's compile)
     best = None
     for rep in range(reps):
-        row = _one(eng, f"r{rep}", ids, max_tokens)
+        row = _one(eng, f"r{rep}", ids, job_params(job, max_tokens))
         row.update(mode=mode, k=k)
         if best is None or row["decode_tps"] > best["decode_tps"]:
             best = row
     return best
 
 
-def _one(eng: LLMEngine, rid: str, ids: list[int], max_tokens: int) -> dict:
+def _one(eng: LLMEngine, rid: str, ids: list[int], params: SamplingParams) -> dict:
     spec = eng.speculation
     proposed, accepted = spec.proposed, spec.accepted
-    eng.add_request(rid, prompt_token_ids=ids, params=SamplingParams(max_tokens=max_tokens, temperature=0))
+    eng.add_request(rid, prompt_token_ids=ids, params=params)
     start, first, steps, out = time.perf_counter(), None, 0, None
     while eng.has_unfinished_requests():
         for o in eng.step():
@@ -98,12 +122,13 @@ def main() -> None:
     ap.add_argument("--draft-model", help="with --mode draft; default: --model")
     ap.add_argument("--draft-quantization", default=EngineConfig.draft_quantization)
     ap.add_argument("--num-kv-blocks", type=int, help="KV blocks of each engine; default: sized from memory")
+    ap.add_argument("--job", choices=["summary", "json"], default="summary")
     args = ap.parse_args()
     run = dict(model=args.model, quantization=args.quantization, num_kv_blocks=args.num_kv_blocks)
     draft = dict(draft_model=args.draft_model or args.model, draft_quantization=args.draft_quantization)
-    off = measure(run, "off", 1, args.max_tokens, args.reps)
-    rows = [off] + [measure({**run, **(draft if mode == "draft" else {})}, mode, k, args.max_tokens, args.reps)
-                    for mode in args.mode for k in args.k]
+    off = measure(run, "off", 1, args.max_tokens, args.reps, args.job)
+    rows = [off] + [measure({**run, **(draft if mode == "draft" else {})}, mode, k, args.max_tokens, args.reps,
+                            args.job) for mode in args.mode for k in args.k]
     for r in rows:
         rate = r["accepted"] / r["proposed"] if r["proposed"] else 0.0
         print(f"{r['mode']:5} k={r['k']} prompt={r['prompt']} out={r['tokens']} steps={r['steps']} "

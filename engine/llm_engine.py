@@ -22,6 +22,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.self_check import self_check
 from engine.sequence import PLACEHOLDER
+from engine.speculative.constrained import ConstrainedProposer
 from engine.speculative.draft import DraftProposer, load_draft
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.policy import Policy
@@ -81,10 +82,12 @@ class LLMEngine:
         self.finishing = Finishing(self.scheduler, self.groups)
         speculator = None
         if config.speculative != "off":
-            proposer = NgramProposer() if self.draft is None else \
+            inner = NgramProposer() if self.draft is None else \
                 DraftProposer(self.draft, config.block_size, config.max_num_batched_tokens)
+            # Constrained sequences draft their grammar's forced tokens first; the others, the inner proposer's guess.
+            proposer = ConstrainedProposer(inner)
             policy = Policy(config.num_speculative_tokens, config.speculative_doubling_tokens,
-                            getattr(proposer, "step_cost", 0.0))
+                            getattr(inner, "step_cost", 0.0))
             speculator = Speculator(proposer, policy, self.block_manager, config.max_num_batched_tokens,
                                     self.scheduler.watermark, self.speculation)
             self.scheduler.on_finish = speculator.finished

@@ -254,7 +254,9 @@ class StepLoop:
             self.times.lap("schedule")
             rows = [r for r, s in enumerate(samplers) if s.matcher is not None]
             if rows:
-                bits = self.grammars.fill([samplers[r].matcher for r in rows])
+                runs = _draft_runs(samplers, rows)
+                bits = (self.grammars.fill_verify(runs) if any(d for _, d in runs)
+                        else self.grammars.fill([m for m, _ in runs]))
                 batch.allowed = (np.array(rows, dtype=np.int64), bits)
             self.times.lap("mask")
         return batch
@@ -329,3 +331,18 @@ def _row_ends(samplers: list[Sequence], drafts: dict[Sequence, list[int]]) -> li
         size, draft = len(seq.token_ids), drafts.get(seq)
         ends += range(size - len(draft), size + 1) if draft else [size]
     return ends
+
+
+def _draft_runs(samplers: list[Sequence], rows: list[int]) -> list[tuple[object, list[int]]]:
+    """(matcher, draft) per constrained sequence of a step's sampled rows. A drafted one has a row per draft token
+    and one more, back to back (_verify_rows), and its drafts are still the last of its tokens (the forward has not
+    run: Speculator.strip takes them out after); any other has one row and no draft."""
+    runs, i = [], 0
+    while i < len(rows):
+        seq = samplers[rows[i]]
+        n = 1
+        while i + n < len(rows) and samplers[rows[i + n]] is seq:
+            n += 1
+        runs.append((seq.matcher, seq.token_ids[len(seq.token_ids) - n + 1:]))
+        i += n
+    return runs

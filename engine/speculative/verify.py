@@ -27,7 +27,7 @@ from engine.stats import SpeculationCounts
 
 def speculates(seq: Sequence) -> bool:
     """Whether seq may carry draft tokens: see the module's docstring."""
-    return seq.params.speculative and seq.group is None and seq.matcher is None
+    return seq.params.speculative and seq.group is None  # a constraint's drafts: speculative.constrained
 
 
 def accepted(draft: list[int], targets: list[int]) -> list[int]:

@@ -107,6 +107,30 @@ class Grammars:
                                                self.words * 4, len(matchers))
         return bits
 
+    def fill_verify(self, runs: list[tuple[object, list[int]]]) -> np.ndarray:
+        """For a step with draft tokens: per (matcher, draft), 1 + len(draft) rows, row j the allowed tokens after
+        draft[:j] -> a bitmask [rows, words] as fill's. llguidance advances each matcher through its draft and rolls
+        it back: it ends where it was. Rows after a draft token the grammar refuses allow every token: the row
+        before it rejects that draft, so nothing lands from them."""
+        import llguidance
+
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        bits = np.full((sum(1 + len(d) for _, d in runs), self.words), -1, dtype=np.int32)
+        drafted, plain, at = [], [], 0
+        for matcher, draft in runs:  # llguidance takes no empty draft: those rows are plain ones
+            if draft:
+                drafted.append((matcher, at, draft))
+            else:
+                plain.append((matcher, at))
+            at += 1 + len(draft)
+        if drafted:
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(drafted, bits.ctypes.data, self.words * 4,
+                                                                    len(bits))
+        if plain:
+            self._executor.unsafe_compute_mask_ptr(plain, bits.ctypes.data, self.words * 4, len(bits))
+        return bits
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
