@@ -277,3 +277,37 @@ def test_fairness_workload_smoke(tiny, tmp_path):
     assert groups["jobs_measured"] == 21 and set(groups["groups"]) == set(WEIGHTS)
     assert abs(sum(g["share"] for g in groups["groups"].values()) - 1) < 1e-9
     assert data["machine"]["cpu"] and set(data["met"]) == {"ttft_ratio", "group_shares"}
+
+
+@pytest.mark.slow
+def test_spec_workload_compares_every_mode_with_off(tmp_path, tiny_model, monkeypatch):
+    """`pagedq bench -w spec --quick` on a tiny model: every workload under off and each mode the engine offers, the
+    acceptance figures, greedy tokens compared with off's, llama.cpp reported unavailable, the JSON and table
+    written. No timing is asserted."""
+    from click.testing import CliRunner
+
+    from cli import main
+    from engine.config import SPECULATIVE
+
+    monkeypatch.delenv("PAGEDQ_LLAMACPP_SERVER", raising=False)
+    r = CliRunner().invoke(main, ["bench", "-w", "spec", "--quick", "--model", tiny_model("llama"),
+                                  "--out-dir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    data = json.loads((tmp_path / "spec.json").read_text())
+    modes = ["off", *(m for m in SPECULATIVE if m != "off")]
+    assert data["modes"] == modes
+    ran = [m for m in modes if not any(k.endswith(f"/{m}") for k in data["errors"])]
+    assert "ngram" in ran
+    rows = {(row["workload"], row["mode"]): row for row in data["rows"]}
+    assert set(rows) == {(w, m) for w in ("grounded", "json", "chat", "concurrent") for m in ran}
+    for (w, m), row in rows.items():
+        assert row["tokens_per_s"] > 0 and row["tokens"] > 0
+        if m == "off":
+            assert row["vs_off"] == 1.0 and row["proposed"] == 0 and row["same_as_off"]
+    grounded = rows[("grounded", "ngram")]
+    assert set(grounded["cases"]) == {"summarize", "rewrite", "extract"}
+    assert grounded["proposed"] >= grounded["accepted"] >= 0
+    if grounded["drafted_rows"]:
+        assert 1 <= grounded["mean_accepted_len"] <= data["k"] + 1
+    assert data["llamacpp"]["status"] == "unavailable" and "llama-server" in data["llamacpp"]["note"]
+    assert "| grounded |" in r.output and "llama.cpp: unavailable" in r.output
