@@ -16,7 +16,8 @@ Every mode's engine is loaded first; then the runs take turns (each case, every 
 at its best, so that a stray load on the machine hits all modes alike. Prefix caching is off: every round does the
 same work.
 
-    python -m bench.speculative [--model smollm2-135m-instruct] [--quantization auto none] [--k 4] [--quick]
+    python -m bench.speculative [--model smollm2-135m-instruct] [--quantization auto none] [--mode ngram] [--k 4]
+                                [--reps 2] [--quick] [--llamacpp-server PATH]
 """
 
 from __future__ import annotations
@@ -261,9 +262,11 @@ def _llamacpp(server_bin: str | None, model: str, cases: list[Case], best: dict,
 
 def run_spec(model: str, device: str | None = None, dtype: str | None = None, quantizations: tuple[str, ...] = ("auto",),
              quick: bool = False, out_dir: str | Path = "bench/results", k: int = 4, reps: int | None = None,
-             llamacpp_server: str | None = None, seed: int = 0, echo: Callable[[str], None] = print) -> dict:
-    """Speculation off against every mode, for each quantization in turn; llama.cpp on the first one's off
-    lengths -> what spec.json holds."""
+             llamacpp_server: str | None = None, seed: int = 0, echo: Callable[[str], None] = print,
+             modes: list[str] | None = None, num_kv_blocks: int | None = None) -> dict:
+    """Speculation off against each of `modes` (default: every mode the engine offers), for each quantization in
+    turn; llama.cpp on the first one's off lengths -> what spec.json holds. num_kv_blocks: each engine's cache
+    (default: every sequence of the largest case at its full length)."""
     import torch
 
     from bench.report import machine, write_json
@@ -271,14 +274,15 @@ def run_spec(model: str, device: str | None = None, dtype: str | None = None, qu
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     reps = reps or (1 if quick else REPS)
-    modes = ["off", *(m for m in SPECULATIVE if m != "off")]
+    modes = ["off", *(m for m in modes or SPECULATIVE if m != "off")]
     data: dict = {"machine": machine(device), "model": model, "device": device, "k": k, "reps": reps, "quick": quick,
                   "modes": modes, "threads": torch.get_num_threads(), "rows": [], "errors": {}}
     echo(f"pagedq bench spec: {model} on {device}, {torch.get_num_threads()} threads; modes {', '.join(modes)}, "
          f"k={k}, best of {reps}")
     llama = None
     for q in quantizations:
-        rows, cases, best = _one_quantization(model, device, dtype, q, modes, k, reps, quick, seed, data, echo)
+        rows, cases, best = _one_quantization(model, device, dtype, q, modes, k, reps, quick, seed, num_kv_blocks,
+                                              data, echo)
         data["rows"] += rows
         if llama is None and best is not None:
             llama = data["llamacpp"] = _llamacpp(llamacpp_server, model, cases, best, reps, Path(out_dir), echo)
@@ -292,7 +296,7 @@ def run_spec(model: str, device: str | None = None, dtype: str | None = None, qu
     return data
 
 
-def _one_quantization(model, device, dtype, q, modes, k, reps, quick, seed, data, echo):
+def _one_quantization(model, device, dtype, q, modes, k, reps, quick, seed, num_kv_blocks, data, echo):
     """Every mode's engine under quantization q, the cases measured in turns -> (rows, cases, best runs)."""
     import gc
 
@@ -300,7 +304,7 @@ def _one_quantization(model, device, dtype, q, modes, k, reps, quick, seed, data
 
     cases = _cases(model, quick, seed)
     seqs = max(64, max(len(c.prompts) for c in cases))
-    blocks = _kv_blocks(cases, k, seqs)
+    blocks = num_kv_blocks or _kv_blocks(cases, k, seqs)
     engines = {}
     for mode in modes:
         try:
@@ -366,7 +370,7 @@ def _weights(row: dict) -> str:
 
 
 def main() -> None:
-    from engine.config import DEFAULT_MODEL
+    from engine.config import DEFAULT_MODEL, SPECULATIVE
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL)
@@ -374,6 +378,9 @@ def main() -> None:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--quantization", nargs="+", default=["auto"],
                     help="one run per value: auto (a GGUF's blocks as stored) and/or none (dequantized)")
+    ap.add_argument("--mode", nargs="+", choices=SPECULATIVE[1:], default=None,
+                    help="modes run against off (default: all of them)")
+    ap.add_argument("--num-kv-blocks", type=int, default=None, help="each engine's KV cache (default: sized to fit)")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--reps", type=int, default=None, help=f"rounds, each run kept at its best (default {REPS})")
     ap.add_argument("--quick", action="store_true", help="a smoke run: short outputs, a few requests, one round")
@@ -381,7 +388,7 @@ def main() -> None:
     ap.add_argument("--out-dir", default="bench/results")
     args = ap.parse_args()
     run_spec(args.model, args.device, args.dtype, tuple(args.quantization), args.quick, args.out_dir, args.k,
-             args.reps, args.llamacpp_server)
+             args.reps, args.llamacpp_server, modes=args.mode, num_kv_blocks=args.num_kv_blocks)
 
 
 if __name__ == "__main__":

@@ -300,7 +300,7 @@ def test_spec_workload_compares_every_mode_with_off(tmp_path, tiny_model, monkey
     assert "ngram" in ran
     rows = {(row["workload"], row["mode"]): row for row in data["rows"]}
     assert set(rows) == {(w, m) for w in ("grounded", "json", "chat", "concurrent") for m in ran}
-    for (w, m), row in rows.items():
+    for (_w, m), row in rows.items():
         assert row["tokens_per_s"] > 0 and row["tokens"] > 0
         if m == "off":
             assert row["vs_off"] == 1.0 and row["proposed"] == 0 and row["same_as_off"]
@@ -311,3 +311,52 @@ def test_spec_workload_compares_every_mode_with_off(tmp_path, tiny_model, monkey
         assert 1 <= grounded["mean_accepted_len"] <= data["k"] + 1
     assert data["llamacpp"]["status"] == "unavailable" and "llama-server" in data["llamacpp"]["note"]
     assert "| grounded |" in r.output and "llama.cpp: unavailable" in r.output
+
+
+FAKE_LLAMA_SERVER = '''#!/usr/bin/env python3
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def _send(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._send({"status": "ok"})
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        n = req["n_predict"]
+        assert req["temperature"] == 0 and req["ignore_eos"] and isinstance(req["prompt"], list)
+        self._send({"tokens": [1] * n, "timings": {"predicted_n": n, "predicted_ms": 10.0 * n}})
+
+HTTPServer(("127.0.0.1", int(sys.argv[sys.argv.index("--port") + 1])), H).serve_forever()
+'''
+
+
+def test_spec_llamacpp_runs_the_grounded_tasks_with_off_lengths(tmp_path, tiny):
+    """The spec workload's llama.cpp peer: the grounded tasks alone, each as many tokens as off made, its tokens/s
+    from the server's own timings, a row in the table (a stand-in server: the plumbing is real)."""
+    from bench.speculative import _cases, _llamacpp, table
+
+    server = tmp_path / "llama-server"
+    server.write_text(FAKE_LLAMA_SERVER)
+    server.chmod(0o755)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    cases = _cases(tiny, quick=True, seed=0)
+    best = {(i, "off"): {"tokens": 10 + i} for i, c in enumerate(cases) if c.workload == "grounded"}
+    got = _llamacpp(str(server), str(gguf), cases, best, 1, tmp_path, echo=lambda s: None)
+    assert got["status"] == "ok" and set(got["cases"]) == {"summarize", "rewrite", "extract"}
+    assert got["tokens"] == sum(10 + i for i, _ in best) and got["tokens_per_s"] == pytest.approx(100.0)
+    data = {"model": "m", "machine": {"cpu": "cpu"}, "threads": 2, "k": 4, "reps": 1, "rows": [], "errors": {},
+            "llamacpp": got}
+    assert "| grounded | GGUF as stored | llama.cpp server | 100.0 |" in table(data)
