@@ -112,7 +112,7 @@ class _Drafted:
 
             spec.settle = counted
         else:
-            self.n = None  # speculation off, or a Speculator without settle: steps stand in (see _figures)
+            self.n = None  # speculation off, or a Speculator without settle: steps stand in (_spec_delta)
 
 
 def _counts(eng, drafted: _Drafted) -> tuple[int, int, int, int | None]:
