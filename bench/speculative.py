@@ -190,8 +190,13 @@ def _measure(engines: dict, cases: list[Case], reps: int, echo: Callable[[str], 
                 if key not in best or fig["tps"] > best[key]["tps"]:
                     best[key] = fig
             echo(f"  round {rep + 1}/{reps}: {case.workload} {case.name}: "
-                 + ", ".join(f"{m} {best[(i, m)]['tps']:.1f}" for m in engines) + " tok/s")
+                 + ", ".join(_progress(m, best[(i, m)]) for m in engines))
     return best
+
+
+def _progress(mode: str, fig: dict) -> str:
+    acc = f", {fig['accepted']}/{fig['proposed']} drafts accepted" if fig["proposed"] else ""
+    return f"{mode} {fig['tps']:.1f} tok/s{acc}"
 
 
 def _rows(cases: list[Case], best: dict, modes: list[str], quantization: str, dtype: str) -> list[dict]:
