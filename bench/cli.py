@@ -12,9 +12,9 @@ from bench import gpu_check
 from bench.workloads import NAMES
 from engine.config import DEFAULT_MODEL, QUANTIZATIONS
 
-# The last six are runs of their own (bench.overhead, bench.parallel, bench.serve_load, bench.structured,
-# bench.serve_isolation, bench.fairness).
-WORKLOADS = (*NAMES, "overhead", "parallel", "serve-load", "json", "serve-isolation", "fairness")
+# The last seven are runs of their own (bench.overhead, bench.parallel, bench.serve_load, bench.structured,
+# bench.serve_isolation, bench.fairness, bench.speculative).
+WORKLOADS = (*NAMES, "overhead", "parallel", "serve-load", "json", "serve-isolation", "fairness", "spec")
 SYSTEMS = ("pagedq", "pagedq-redis", "hf-generate", "hf-static", "hf-cb", "pagedq-serve", "vllm", "llamacpp")
 DEFAULT_SYSTEMS = SYSTEMS[:-2]  # vLLM and llama.cpp when asked for: each needs an install of its own
 
@@ -118,6 +118,14 @@ def bench(model, device, dtype, workloads, systems, quick, num_requests, hf_sing
 
             workloads = [w for w in workloads if w != "json"]
             run_structured(model, device, dtype, quick, out_dir=out_dir, seed=seed, echo=click.echo)
+            if not workloads:
+                return
+        if "spec" in workloads:  # the engine alone, speculation off against each mode (llama.cpp beside it)
+            from bench.speculative import run_spec
+
+            workloads = [w for w in workloads if w != "spec"]
+            run_spec(model, device, dtype, (quantization,), quick, out_dir, llamacpp_server=llamacpp_server,
+                     seed=seed, echo=click.echo)
             if not workloads:
                 return
         if "serve-load" in workloads:  # its own micro model, workers and serve process: a run of its own

@@ -41,7 +41,7 @@ def _same(off, on, prompts, params) -> None:
     for prompt, w, g in zip(prompts, want, got):
         assert g.token_ids == w.token_ids, f"prompt {prompt!r}"
         assert g.text == w.text and g.finish_reason == w.finish_reason
-    draft = on.loop.speculator.proposer
+    draft = on.loop.speculator.proposer.inner
     assert not draft.shadows and draft.bm.num_free_blocks == draft.bm.num_blocks  # every shadow's blocks are back
 
 
@@ -90,10 +90,10 @@ def test_reset_builds_a_fresh_draft(make_engine, tiny_model):
     on.add_request("x", HITS[0], params=GREEDY)
     for _ in range(3):
         on.step()
-    old = on.loop.speculator.proposer
+    old = on.loop.speculator.proposer.inner
     assert old.shadows
     on.reset()
-    new = on.loop.speculator.proposer
+    new = on.loop.speculator.proposer.inner
     assert new is not old and new.runner is old.runner and not new.shadows
     _same(off, on, PROMPTS[:3], GREEDY)
 

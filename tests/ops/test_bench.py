@@ -277,3 +277,86 @@ def test_fairness_workload_smoke(tiny, tmp_path):
     assert groups["jobs_measured"] == 21 and set(groups["groups"]) == set(WEIGHTS)
     assert abs(sum(g["share"] for g in groups["groups"].values()) - 1) < 1e-9
     assert data["machine"]["cpu"] and set(data["met"]) == {"ttft_ratio", "group_shares"}
+
+
+@pytest.mark.slow
+def test_spec_workload_compares_every_mode_with_off(tmp_path, tiny_model, monkeypatch):
+    """`pagedq bench -w spec --quick` on a tiny model: every workload under off and each mode the engine offers, the
+    acceptance figures, greedy tokens compared with off's, llama.cpp reported unavailable, the JSON and table
+    written. No timing is asserted."""
+    from click.testing import CliRunner
+
+    from cli import main
+    from engine.config import SPECULATIVE
+
+    monkeypatch.delenv("PAGEDQ_LLAMACPP_SERVER", raising=False)
+    r = CliRunner().invoke(main, ["bench", "-w", "spec", "--quick", "--model", tiny_model("llama"),
+                                  "--out-dir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    data = json.loads((tmp_path / "spec.json").read_text())
+    modes = ["off", *(m for m in SPECULATIVE if m != "off")]
+    assert data["modes"] == modes
+    ran = [m for m in modes if not any(k.endswith(f"/{m}") for k in data["errors"])]
+    assert "ngram" in ran
+    rows = {(row["workload"], row["mode"]): row for row in data["rows"]}
+    assert set(rows) == {(w, m) for w in ("grounded", "json", "chat", "concurrent") for m in ran}
+    for (_w, m), row in rows.items():
+        assert row["tokens_per_s"] > 0 and row["tokens"] > 0
+        if m == "off":
+            assert row["vs_off"] == 1.0 and row["proposed"] == 0 and row["same_as_off"]
+    grounded = rows[("grounded", "ngram")]
+    assert set(grounded["cases"]) == {"summarize", "rewrite", "extract"}
+    assert grounded["proposed"] >= grounded["accepted"] >= 0
+    if grounded["drafted_rows"]:
+        assert 1 <= grounded["mean_accepted_len"] <= data["k"] + 1
+    assert data["llamacpp"]["status"] == "unavailable" and "llama-server" in data["llamacpp"]["note"]
+    assert "| grounded |" in r.output and "llama.cpp: unavailable" in r.output
+
+
+FAKE_LLAMA_SERVER = '''#!/usr/bin/env python3
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def _send(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._send({"status": "ok"})
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        n = req["n_predict"]
+        assert req["temperature"] == 0 and req["ignore_eos"] and isinstance(req["prompt"], list)
+        self._send({"tokens": [1] * n, "timings": {"predicted_n": n, "predicted_ms": 10.0 * n}})
+
+HTTPServer(("127.0.0.1", int(sys.argv[sys.argv.index("--port") + 1])), H).serve_forever()
+'''
+
+
+def test_spec_llamacpp_runs_the_grounded_tasks_with_off_lengths(tmp_path, tiny):
+    """The spec workload's llama.cpp peer: the grounded tasks alone, each as many tokens as off made, its tokens/s
+    from the server's own timings, a row in the table (a stand-in server: the plumbing is real)."""
+    from bench.speculative import _cases, _llamacpp, table
+
+    server = tmp_path / "llama-server"
+    server.write_text(FAKE_LLAMA_SERVER)
+    server.chmod(0o755)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    cases = _cases(tiny, quick=True, seed=0)
+    best = {(i, "off"): {"tokens": 10 + i} for i, c in enumerate(cases) if c.workload == "grounded"}
+    got = _llamacpp(str(server), str(gguf), cases, best, 1, tmp_path, echo=lambda s: None)
+    assert got["status"] == "ok" and set(got["cases"]) == {"summarize", "rewrite", "extract"}
+    assert got["tokens"] == sum(10 + i for i, _ in best) and got["tokens_per_s"] == pytest.approx(100.0)
+    data = {"model": "m", "machine": {"cpu": "cpu"}, "threads": 2, "k": 4, "reps": 1, "rows": [], "errors": {},
+            "llamacpp": got}
+    assert "| grounded | GGUF as stored | llama.cpp server | 100.0 |" in table(data)
