@@ -53,7 +53,8 @@ LIMIT_OPTIONS = {"max_prompt_chars": "max_prompt_chars", "max_tokens_limit": "ma
 @click.option("--speculative", envvar="PAGEDQ_SPECULATIVE", type=click.Choice(SPECULATIVE),
               default=default_of(EngineConfig, "speculative"), show_default=True,
               help="ngram: greedy jobs propose tokens by prompt lookup and verify them in one step (the same output, "
-                   "several tokens a step where the output copies the prompt); not with --overlap-steps")
+                   "several tokens a step where the output copies the prompt); suffix: that, else what recent outputs did "
+                   "after the same text; not with --overlap-steps")
 @click.option("--num-speculative-tokens", envvar="PAGEDQ_NUM_SPECULATIVE_TOKENS", type=click.IntRange(min=1),
               default=default_of(EngineConfig, "num_speculative_tokens"), show_default=True,
               help="With --speculative: draft tokens per sequence per step, at most")

@@ -23,6 +23,7 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.self_check import self_check
 from engine.sequence import PLACEHOLDER
 from engine.speculative.ngram import NgramProposer
+from engine.speculative.suffix import SuffixProposer
 from engine.speculative.verify import Speculator
 from engine.stats import SpeculationCounts, StepTimes
 from engine.step_loop import StepLoop
@@ -75,8 +76,9 @@ class LLMEngine:
         self.intake = Intake(self.tokenizer, self.grammars, self.scheduler, limits, self.eos_token_ids, self.rng)
         self.finishing = Finishing(self.scheduler, self.groups)
         speculator = None
-        if config.speculative == "ngram":
-            speculator = Speculator(NgramProposer(), config.num_speculative_tokens, self.block_manager,
+        if config.speculative != "off":
+            proposer = SuffixProposer() if config.speculative == "suffix" else NgramProposer()
+            speculator = Speculator(proposer, config.num_speculative_tokens, self.block_manager,
                                     config.max_num_batched_tokens, self.scheduler.watermark, self.speculation)
             self.scheduler.on_finish = speculator.finished
         self.loop = StepLoop(self.runner, self.scheduler, self.groups, self.finishing, self.grammars, self.times,
