@@ -8,24 +8,26 @@ and output (engine.speculative.ngram.lookup; this also covers the running sequen
 that has no guess, it matches the sequence's tail against an index of recent finished outputs.
 
 The index is the outputs' tokens themselves, in one array with a separator after each (plus a few prompt tokens
-before each output, so that the start of an output can be matched from the end of its prompt template), and a match
-is one vectorized scan of it, as in lookup. Not a suffix tree, a suffix automaton or hashed
-n-gram counts, because:
-- memory is exactly the tokens kept (4 bytes each, nothing per n-gram or per node: a suffix tree or n-gram counts of
-  256k tokens are some hundreds of bytes per token in Python objects), so the bound is simply the array's length;
-- eviction is dropping the oldest outputs from the front, and every count is counted afresh from what is there:
-  exact by construction, with no decrements to keep in step;
-- a scan of 256k tokens is some tens of microseconds of numpy, small beside a decode step of the target model.
-What a suffix tree gives, the frequencies of each continuation of the longest match, the scan gives as well: the
-matches' end positions are the occurrences of the tail, and the draft walks them token by token, keeping at each
-token the most frequent next token and the occurrences that continue with it. Where that share of the occurrences
-(those that continue with the whole draft so far, over all the tail's occurrences: an estimate of the chance the
-draft is right up to there) falls below min_share, the draft stops: a weak guess costs verify compute.
+before each output, so that the start of an output can be matched from the end of its prompt template), and beside
+it every pair of adjacent tokens, sorted (an int64 key of the pair, and where it ends). A match is a binary search for
+the tail's last two tokens, then its occurrences narrowed one token further back at a time. Not a suffix tree, a
+suffix automaton or n-gram -> next-token counts, because:
+- memory is 20 bytes a token in three numpy arrays, nothing per node or per n-gram (a suffix tree or counts of 256k
+  tokens are some hundreds of bytes a token as Python objects), and the bound is simply the token array's length;
+- eviction drops the oldest outputs from the front, and every count is counted afresh from what is there, at each
+  proposal: exact by construction, with no decrements to keep in step;
+- adding an output is a few copies of the arrays (about a millisecond for 256k tokens), once per finished sequence;
+  a proposal is a binary search and a few small numpy operations, a fraction of a millisecond.
+What a suffix tree gives, the frequencies of each continuation of the longest match, the occurrences give as well:
+the draft walks them token by token, keeping at each token the most frequent next token and the occurrences that
+continue with it. Where those (the occurrences that agree with the whole draft so far, over all the tail's
+occurrences: an estimate of the chance the draft is right up to there) fall below min_share of them, the draft stops:
+a weak guess costs verify compute.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 import numpy as np
 
@@ -57,7 +59,13 @@ class SuffixProposer:
         self.lookup_n = (lookup_max_n, lookup_min_n)
         self.lead = lead
         self.lengths: deque[int] = deque()  # of the indexed outputs, oldest first, each with its SEP
-        self.tokens = np.full(1, SEP, dtype=np.int32)  # SEP, then each output and its SEP, oldest first
+        # The indexed stream from position `lo` on: a SEP (the evicted outputs' last), then each output and its SEP.
+        self.tokens = np.full(1, SEP, dtype=np.int32)
+        self.lo = 0
+        # Every indexed pair of tokens within an output, by key (both tokens, _key), each key's in stream order:
+        # the key, and the stream position of the pair's second token.
+        self.keys = np.empty(0, dtype=np.int64)
+        self.ends = np.empty(0, dtype=np.int64)
 
     @property
     def num_tokens(self) -> int:
@@ -81,15 +89,25 @@ class SuffixProposer:
     def add(self, tokens: list[int]) -> None:
         """Index tokens (one output, with its lead) as the newest, evicting the oldest outputs beyond max_tokens."""
         room = self.max_tokens - 2  # for the separators, where one output alone is too long
-        tokens = tokens[max(0, len(tokens) - room):]
-        self.lengths.append(len(tokens) + 1)
-        drop, size = 0, len(self.tokens) + len(tokens) + 1
-        while size > self.max_tokens:
-            gone = self.lengths.popleft()
-            drop, size = drop + gone, size - gone
-        # One copy of at most max_tokens per finished sequence: cheap beside the steps that made its tokens.
-        self.tokens = np.concatenate([self.tokens[:1], self.tokens[1 + drop:], np.asarray(tokens, dtype=np.int32),
-                                      np.full(1, SEP, dtype=np.int32)])
+        new = np.asarray(tokens[max(0, len(tokens) - room):], dtype=np.int32)
+        at = self.lo + len(self.tokens)  # new[0]'s stream position
+        self.lengths.append(len(new) + 1)
+        gone = 0
+        while len(self.tokens) - gone + len(new) + 1 > self.max_tokens:
+            gone += self.lengths.popleft()
+        if gone:
+            self.lo += gone
+            kept = self.ends > self.lo  # pairs of the evicted outputs end at or before their last SEP, now at lo
+            self.keys, self.ends = self.keys[kept], self.ends[kept]
+        # Copies of at most max_tokens per finished sequence: cheap beside the steps that made its tokens.
+        self.tokens = np.concatenate([self.tokens[gone:], new, np.full(1, SEP, dtype=np.int32)])
+        if len(new) >= 2:
+            keys = _key(new[:-1], new[1:])
+            order = np.argsort(keys, kind="stable")
+            keys, ends = keys[order], at + 1 + order
+            # After the equal keys already there: they are all earlier in the stream.
+            where = np.searchsorted(self.keys, keys, side="right")
+            self.keys, self.ends = np.insert(self.keys, where, keys), np.insert(self.ends, where, ends)
 
     def search(self, tokens: list[int], k: int) -> list[int]:
         """The index's guess for what follows tokens: see the module's docstring."""
@@ -100,33 +118,58 @@ class SuffixProposer:
             return []
         index, draft, ends = self.tokens, [], found
         for j in range(1, k + 1):
+            if len(ends) == 1 and self.min_share * len(found) <= 1:
+                # One occurrence left: the rest of it, to its output's end (a slice, not a count per token).
+                rest = index[ends[0] + j : ends[0] + k + 1]
+                stop = np.flatnonzero(rest == SEP)
+                return draft + rest[: stop[0] if len(stop) else len(rest)].tolist()
             nxt = index[ends + j]
-            values, inverse, counts = np.unique(nxt, return_inverse=True, return_counts=True)
-            top = counts.max()
-            if top < self.min_share * len(found):
-                break
-            # Among equally frequent tokens the latest occurrence's: the nearest in time to now.
-            token = int(nxt[np.flatnonzero(counts[inverse] == top)[-1]])
-            if token == SEP:
+            token, top = _most_frequent(nxt)
+            if top < self.min_share * len(found) or token == SEP:
                 break
             draft.append(token)
             ends = ends[nxt == token]
         return draft
 
     def occurrences(self, tokens: list[int]) -> np.ndarray | None:
-        """Where in the index the longest tail of tokens (max_n down to min_n tokens) ends, ascending; None where
-        not even min_n of them occur. Narrowed one token back at a time: each longer tail's occurrences are among
-        the shorter one's."""
-        index = self.tokens
-        tail = tokens[-self.max_n:]
-        # The last position is always SEP: no occurrence ends there with a continuation after it.
-        found = np.flatnonzero(index[:-1] == tail[-1])
-        best = found if self.min_n <= 1 else None
-        for back in range(1, len(tail)):
-            if not len(found):
-                break
+        """Where in self.tokens the longest tail of tokens (max_n down to min_n tokens) ends, ascending; None where
+        not even min_n of them occur. The last two tokens by binary search of the pairs, then narrowed one token back
+        at a time: each longer tail's occurrences are among the shorter one's."""
+        index, tail = self.tokens, tokens[-self.max_n:]
+        found = self._pair(tail[-2], tail[-1]) if len(tail) >= 2 else np.empty(0, dtype=np.int64)
+        if not len(found):
+            # A lone token's occurrences: a scan of the whole index, only where the pairs are not enough.
+            found = np.flatnonzero(index[:-1] == tail[-1]) if self.min_n <= 1 else found
+            return found if len(found) else None
+        best = found if self.min_n <= 2 else None
+        for back in range(2, len(tail)):
             # index[0] is SEP and never matches, so found - back stays >= 0 for every surviving occurrence.
             found = found[index[found - back] == tail[-1 - back]]
-            if len(found) and back + 1 >= self.min_n:
+            if not len(found):
+                break
+            if back + 1 >= self.min_n:
                 best = found
-        return best if best is not None and len(best) else None
+        return best
+
+    def _pair(self, first: int, second: int) -> np.ndarray:
+        """Where in self.tokens the pair (first, second) ends, ascending."""
+        key = _key(np.int64(first), np.int64(second))
+        lo, hi = np.searchsorted(self.keys, key, side="left"), np.searchsorted(self.keys, key, side="right")
+        return self.ends[lo:hi] - self.lo
+
+
+def _most_frequent(tokens: np.ndarray) -> tuple[int, int]:
+    """The most frequent of tokens, the latest of equally frequent ones (the nearest in time to now), and its count."""
+    if len(tokens) > 256:  # numpy's sort beats a Python count only on long arrays
+        values, inverse, counts = np.unique(tokens, return_inverse=True, return_counts=True)
+        top = int(counts.max())
+        return int(tokens[np.flatnonzero(counts[inverse] == top)[-1]]), top
+    seen = tokens.tolist()
+    counts = Counter(seen)
+    top = max(counts.values())
+    return next(t for t in reversed(seen) if counts[t] == top), top
+
+
+def _key(first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """One int64 per pair of token ids (each below 2**31)."""
+    return (first.astype(np.int64) << 32) | (second.astype(np.int64) & 0xFFFFFFFF)

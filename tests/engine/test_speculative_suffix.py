@@ -1,6 +1,8 @@
 """The suffix proposer: prompt lookup, else the index of recent outputs; and greedy output with it equal to greedy
 without on a tiny model."""
 
+import random
+
 import pytest
 from test_speculative import GREEDY, HITS, MISSES, check_blocks, run, same
 
@@ -79,6 +81,7 @@ def test_eviction_keeps_the_bound_and_forgets_evicted_outputs():
         proposer.finished(_done([1000], [100 + i, 200 + i, 300 + i, 400 + i, 500 + i]))
         assert proposer.num_tokens <= 64
         assert proposer.num_tokens == 1 + sum(proposer.lengths)
+        assert len(proposer.keys) == len(proposer.ends) < proposer.num_tokens  # the pairs: fewer than the tokens
     # 10 outputs of 5 tokens and a separator fit in 64: the latest ten are known, the earlier ones forgotten.
     assert len(proposer.lengths) == 10
     assert proposer.search([139, 239], 3) == [339, 439, 539]
@@ -100,6 +103,48 @@ def test_an_output_longer_than_the_bound_keeps_its_tail():
     proposer.finished(_done([1000], list(range(1, 30))))
     assert proposer.num_tokens == 10 and proposer.search([23, 24], 2) == [25, 26]
     assert proposer.search([3, 4], 2) == []
+
+
+def _reference(outputs: list[list[int]], tokens: list[int], k: int, max_n: int, min_n: int, share: float) -> list[int]:
+    """search() spelled out over the outputs themselves: the longest tail that occurs, then token by token the most
+    frequent next token (the latest of a tie) while the occurrences agreeing with the draft keep their share."""
+    for n in range(min(max_n, len(tokens)), min_n - 1, -1):
+        tail = tokens[-n:]
+        found = [(out, i + n) for out in outputs for i in range(len(out) - n + 1) if out[i : i + n] == tail]
+        if found:
+            break
+    else:
+        return []
+    draft, left = [], found
+    for j in range(k):
+        nexts = [out[at + j] if at + j < len(out) else None for out, at in left]
+        top = max(nexts.count(t) for t in nexts)
+        token = [t for t in nexts if nexts.count(t) == top][-1]
+        if top < share * len(found) or token is None:
+            break
+        draft.append(token)
+        left = [o for o, t in zip(left, nexts) if t == token]
+    return draft
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_search_agrees_with_a_plain_reference(seed):
+    rng = random.Random(seed)
+    max_n, min_n = rng.randint(2, 6), rng.randint(1, 2)
+    share, cap = rng.choice([0.0, 0.3, 0.6]), rng.randint(20, 200)
+    proposer = SuffixProposer(max_tokens=cap, max_n=max_n, min_n=min_n, min_share=share, lead=0)
+    kept: list[list[int]] = []
+    for _ in range(60):
+        out = [rng.randrange(5) for _ in range(rng.randint(0, 30))]
+        proposer.add(out)
+        kept.append(out[max(0, len(out) - (cap - 2)):])
+        while 1 + sum(len(o) + 1 for o in kept) > cap:  # the bound, oldest outputs first
+            kept.pop(0)
+        assert proposer.num_tokens == 1 + sum(len(o) + 1 for o in kept) <= cap
+        for _ in range(5):
+            tokens = [rng.randrange(5) for _ in range(rng.randint(1, 8))]
+            k = rng.randint(1, 6)
+            assert proposer.search(tokens, k) == _reference(kept, tokens, k, max_n, min_n, share), (tokens, k)
 
 
 @pytest.mark.parametrize("kwargs", [{"min_n": 0}, {"min_n": 3, "max_n": 2}, {"min_share": 1.5}, {"max_tokens": 2}])
