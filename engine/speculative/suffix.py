@@ -3,9 +3,11 @@ worker did after the same text.
 
 A worker serves the same few task templates over and over (agents, extraction pipelines, classifiers), so its
 outputs repeat one another's structure: the tail of a sequence often occurred in an earlier output, and what most
-outputs did next is a good guess. Per sequence the proposer first tries prompt lookup over the sequence's own prompt
-and output (engine.speculative.ngram.lookup; this also covers the running sequence's own output as it grows); where
-that has no guess, it matches the sequence's tail against an index of recent finished outputs.
+outputs did next is a good guess. Per sequence the proposer matches the sequence's tail both in its own prompt and
+output (prompt lookup, engine.speculative.ngram.lookup, which also covers the running sequence's own output as it
+grows) and in an index of recent finished outputs, and the longer match guesses (its own text on a tie: the nearer
+guess); the other where that one has no guess. On SmolLM2, replaying its greedy outputs, this accepted a few more
+drafts of fewer proposed than prompt lookup first and the index only where it has none (bench/speculative_agentic.py).
 
 The index is the outputs' tokens themselves, in one array with a separator after each (plus a few prompt tokens
 before each output, so that the start of an output can be matched from the end of its prompt template), and beside
@@ -76,9 +78,17 @@ class SuffixProposer:
         return [self.propose_one(seq.token_ids, k) for seq, k in wants]
 
     def propose_one(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens that may follow tokens: prompt lookup's guess, else the index's, else []."""
-        draft = lookup(tokens, k, *self.lookup_n)
-        return draft or self.search(tokens, k)
+        """Up to k tokens that may follow tokens: the guess of the longer match of tokens' tail, in tokens themselves
+        (prompt lookup; on a tie, its own text is the nearer guess) or in the index; the other's where it has none."""
+        found, n = self.occurrences(tokens)
+        most, least = self.lookup_n
+        own = lookup(tokens, k, most, max(least, n)) if n <= most else []
+        if own:
+            return own
+        draft = self.walk(found, k) if n else []
+        if draft or min(n - 1, most) < least:
+            return draft
+        return lookup(tokens, k, min(n - 1, most), least)  # the index's guess was too weak: a shorter own match
 
     def finished(self, seq: Sequence) -> None:
         """Learn seq's output (a finished or aborted one alike: what the target wrote either way)."""
@@ -111,11 +121,11 @@ class SuffixProposer:
 
     def search(self, tokens: list[int], k: int) -> list[int]:
         """The index's guess for what follows tokens: see the module's docstring."""
-        if k < 1 or len(tokens) < self.min_n or not self.lengths:
-            return []
-        found = self.occurrences(tokens)
-        if found is None:
-            return []
+        found, n = self.occurrences(tokens)
+        return self.walk(found, k) if n else []
+
+    def walk(self, found: np.ndarray, k: int) -> list[int]:
+        """Up to k tokens that most of the occurrences found continue with."""
         index, draft, ends = self.tokens, [], found
         for j in range(1, k + 1):
             if len(ends) == 1 and self.min_share * len(found) <= 1:
@@ -131,25 +141,28 @@ class SuffixProposer:
             ends = ends[nxt == token]
         return draft
 
-    def occurrences(self, tokens: list[int]) -> np.ndarray | None:
-        """Where in self.tokens the longest tail of tokens (max_n down to min_n tokens) ends, ascending; None where
-        not even min_n of them occur. The last two tokens by binary search of the pairs, then narrowed one token back
-        at a time: each longer tail's occurrences are among the shorter one's."""
+    def occurrences(self, tokens: list[int]) -> tuple[np.ndarray, int]:
+        """Where in self.tokens the longest tail of tokens (max_n down to min_n tokens) that occurs there ends,
+        ascending, and its length n; n = 0 where not even min_n of them occur. The last two tokens by binary search
+        of the pairs, then narrowed one token back at a time: each longer tail's occurrences are among the shorter
+        one's."""
         index, tail = self.tokens, tokens[-self.max_n:]
-        found = self._pair(tail[-2], tail[-1]) if len(tail) >= 2 else np.empty(0, dtype=np.int64)
+        found = np.empty(0, dtype=np.int64)
+        if len(tokens) < self.min_n or not self.lengths:
+            return found, 0
+        found = self._pair(tail[-2], tail[-1]) if len(tail) >= 2 else found
         if not len(found):
             # A lone token's occurrences: a scan of the whole index, only where the pairs are not enough.
             found = np.flatnonzero(index[:-1] == tail[-1]) if self.min_n <= 1 else found
-            return found if len(found) else None
-        best = found if self.min_n <= 2 else None
+            return found, min(1, len(found))
+        best, n = found, 2
         for back in range(2, len(tail)):
             # index[0] is SEP and never matches, so found - back stays >= 0 for every surviving occurrence.
             found = found[index[found - back] == tail[-1 - back]]
             if not len(found):
                 break
-            if back + 1 >= self.min_n:
-                best = found
-        return best
+            best, n = found, back + 1
+        return (best, n) if n >= self.min_n else (found[:0], 0)
 
     def _pair(self, first: int, second: int) -> np.ndarray:
         """Where in self.tokens the pair (first, second) ends, ascending."""

@@ -58,12 +58,21 @@ def test_draft_stops_at_the_end_of_an_output():
     assert proposer.search([2, 3], 5) == []
 
 
-def test_prompt_lookup_comes_first():
-    proposer = _learned([1, 2, 3, 4])
-    seq = Sequence("r", [1, 2, 8, 8, 1, 2], SamplingParams(temperature=0))
-    assert proposer.propose([(seq, 2)]) == [[8, 8]]  # its own prompt knows "1 2"
-    seq = Sequence("r", [7, 7, 1, 2], SamplingParams(temperature=0))
-    assert proposer.propose([(seq, 2)]) == [[3, 4]]  # it does not: the index does
+def _propose(proposer: SuffixProposer, tokens: list[int], k: int) -> list[int]:
+    return proposer.propose([(Sequence("r", tokens, SamplingParams(temperature=0)), k)])[0]
+
+
+def test_the_longer_match_of_prompt_and_index_wins():
+    proposer = _learned([1, 2, 3, 4], [5, 1, 2, 3, 4])
+    assert _propose(proposer, [1, 2, 8, 8, 1, 2], 2) == [8, 8]  # "1 2" in both: its own text is the nearer guess
+    assert _propose(proposer, [7, 7, 1, 2], 2) == [3, 4]  # not in its own text: the index's
+    assert _propose(proposer, [9, 1, 2, 6, 6, 5, 1, 2], 2) == [3, 4]  # "5 1 2" in the index beats its own "1 2"
+    assert _propose(proposer, [5, 1, 2, 6, 6, 5, 1, 2], 2) == [6, 6]  # ... but not its own "5 1 2"
+    # Where the index's longer match gives too weak a guess, the shorter own match still does.
+    weak = _learned([5, 1, 2, 3], [5, 1, 2, 4], [5, 1, 2, 6], min_share=0.5)
+    assert weak.search([9, 5, 1, 2], 2) == []
+    assert _propose(weak, [1, 2, 8, 9, 5, 1, 2], 2) == [8, 9]
+    assert _propose(weak, [7, 5, 1, 2], 2) == []
 
 
 def test_lead_matches_the_start_of_an_output():
