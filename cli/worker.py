@@ -53,8 +53,8 @@ LIMIT_OPTIONS = {"max_prompt_chars": "max_prompt_chars", "max_tokens_limit": "ma
 @click.option("--speculative", envvar="PAGEDQ_SPECULATIVE", type=click.Choice(SPECULATIVE),
               default=default_of(EngineConfig, "speculative"), show_default=True,
               help="ngram: greedy jobs propose tokens by prompt lookup and verify them in one step (the same output, "
-                   "several tokens a step where the output copies the prompt); draft: a draft model proposes them "
-                   "(--draft-model); not with --overlap-steps")
+                   "several tokens a step where the output copies the prompt); suffix: that, else what recent outputs did "
+                   "after the same text; draft: a draft model proposes them (--draft-model); not with --overlap-steps")
 @click.option("--draft-model", envvar="PAGEDQ_DRAFT_MODEL", default=default_of(EngineConfig, "draft_model"),
               help="With --speculative draft: the draft model (alias, local HF folder, .gguf file or hub id); it must "
                    "share --model's tokenizer")

@@ -8,7 +8,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 AUTO = "auto"  # bfloat16 on CUDA and on CPUs with bfloat16 matmul units (AVX-512 BF16, AMX); float32 elsewhere
 BACKENDS = ("auto", "torch", "cpu", "triton")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
-SPECULATIVE = ("off", "ngram", "draft")
+SPECULATIVE = ("off", "ngram", "suffix", "draft")
 # (max_num_seqs, max_num_batched_tokens) by device. CPU: measured with `pagedq bench` (docs/benchmarks.md, "vLLM as a peer"): a
 # decode step reads every weight once whatever the batch, so more sequences per step amortize that read (mixed:
 # +19% from 64 to 256 sequences); a step is a few hundred ms, so 4,096 tokens keep prefill chunks in step with it.
@@ -73,7 +73,8 @@ class EngineConfig:
     shm_all_reduce: bool = True
     # Speculative decoding (engine.speculative): "ngram" proposes up to num_speculative_tokens tokens per sequence
     # per step by prompt lookup, verified in the same forward; the output is the same, token for token (seeded
-    # sampling too). "draft": a draft model (draft_model, sharing the target's tokenizer; its weights as
+    # sampling too). "suffix": prompt lookup, else what the worker's recent outputs did after the same text
+    # (speculative.suffix). "draft": a draft model (draft_model, sharing the target's tokenizer; its weights as
     # draft_quantization says, with quantization's choices) proposes them, greedy (engine.speculative.draft). "off":
     # one token per sequence per step.
     speculative: str = "off"

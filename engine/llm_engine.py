@@ -26,6 +26,8 @@ from engine.speculative.constrained import ConstrainedProposer
 from engine.speculative.draft import DraftProposer, load_draft
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.policy import Policy
+from engine.speculative.proposer import Proposer
+from engine.speculative.suffix import SuffixProposer
 from engine.speculative.verify import Speculator
 from engine.stats import SpeculationCounts, StepTimes
 from engine.step_loop import StepLoop
@@ -82,8 +84,7 @@ class LLMEngine:
         self.finishing = Finishing(self.scheduler, self.groups)
         speculator = None
         if config.speculative != "off":
-            inner = NgramProposer() if self.draft is None else \
-                DraftProposer(self.draft, config.block_size, config.max_num_batched_tokens)
+            inner = self._proposer()
             # Constrained sequences draft their grammar's forced tokens first; the others, the inner proposer's guess.
             proposer = ConstrainedProposer(inner)
             policy = Policy(config.num_speculative_tokens, config.speculative_doubling_tokens,
@@ -93,6 +94,13 @@ class LLMEngine:
             self.scheduler.on_finish = speculator.finished
         self.loop = StepLoop(self.runner, self.scheduler, self.groups, self.finishing, self.grammars, self.times,
                              self.eos_token_ids, overlap, constrained, speculator)
+
+    def _proposer(self) -> Proposer:
+        """A fresh proposer of the configured kind (a draft model's runner is the engine's, loaded once)."""
+        config = self.config
+        if config.speculative == "draft":
+            return DraftProposer(self.draft, config.block_size, config.max_num_batched_tokens)
+        return SuffixProposer() if config.speculative == "suffix" else NgramProposer()
 
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel replica (nothing to do on one device)."""
