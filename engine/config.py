@@ -14,10 +14,14 @@ SPECULATIVE = ("off", "ngram", "suffix", "draft")
 # +19% from 64 to 256 sequences); a step is a few hundred ms, so 4,096 tokens keep prefill chunks in step with it.
 # CUDA: vLLM's own defaults for a single GPU, not yet measured here.
 BATCH_LIMITS = {"cpu": (256, 4096), "cuda": (256, 8192)}
-# Tokens per step before a forward costs twice a one-token one (EngineConfig.speculative_doubling_tokens). CPU:
-# measured with `python -m bench.speculative --step-costs` (docs/engine.md): SmolLM2-135M on a 2-core AMD EPYC Zen 4.
-# CUDA: an H100-class GPU reads weights for about as long as it computes 200-300 tokens; not yet measured here.
-DOUBLING_TOKENS = {"cpu": 16, "cuda": 256}
+# What a step costs by its tokens, for the speculation policy (engine.speculative.policy), by the kind of forward:
+# the tokens that double a one-token step's cost (EngineConfig.speculative_doubling_tokens), and the extra cost, in
+# one-token steps, of a second token in a step of one (the CPU's quantized kernels turn from a matrix-vector product
+# to int8 matrix products there). CPU: `python -m bench.step_costs` on SmolLM2-135M, 2-core AMD EPYC Zen 4 (float32:
+# 1.02x a one-token step at 5 tokens, 1.63x at 17; Q4_1 blocks kept: 1.53x at 2 tokens, 3.13x at 17). CUDA: an
+# H100-class GPU reads weights for about as long as it computes 200-300 tokens; not yet measured here.
+DOUBLING_TOKENS = {"cpu": 16, "cpu-quantized": 10, "cuda": 256}
+SECOND_TOKEN_COST = {"cpu-quantized": 0.5}
 
 
 @dataclass
@@ -82,7 +86,7 @@ class EngineConfig:
     draft_model: str | None = None
     draft_quantization: str = "auto"
     # The tokens a step takes on before it costs twice a one-token step (engine.speculative.policy): drafts fill
-    # steps below that, and a batch that is past it gets none. None: DOUBLING_TOKENS for the device.
+    # steps below that, and a batch that is past it gets none. None: DOUBLING_TOKENS for the device and weights.
     speculative_doubling_tokens: int | None = None
 
     def __post_init__(self) -> None:
@@ -116,9 +120,7 @@ class EngineConfig:
             raise ValueError(f"speculative must be one of {SPECULATIVE}, got {self.speculative!r}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
-        if self.speculative_doubling_tokens is None:
-            self.speculative_doubling_tokens = DOUBLING_TOKENS.get(self.device.split(":")[0], DOUBLING_TOKENS["cpu"])
-        if self.speculative_doubling_tokens < 1:
+        if self.speculative_doubling_tokens is not None and self.speculative_doubling_tokens < 1:
             raise ValueError(f"speculative_doubling_tokens must be >= 1, got {self.speculative_doubling_tokens}")
         if self.speculative == "draft" and not self.draft_model:
             raise ValueError('speculative="draft" needs draft_model: the draft model\'s alias, folder or .gguf file')

@@ -11,7 +11,7 @@ import math
 import random
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
+from engine.config import DOUBLING_TOKENS, SECOND_TOKEN_COST, EngineConfig
 from engine.detokenizer import Detokenizer
 from engine.finishing import Finishing
 from engine.group_steps import GroupSteps
@@ -87,13 +87,19 @@ class LLMEngine:
             inner = self._proposer()
             # Constrained sequences draft their grammar's forced tokens first; the others, the inner proposer's guess.
             proposer = ConstrainedProposer(inner)
-            policy = Policy(config.num_speculative_tokens, config.speculative_doubling_tokens,
-                            getattr(inner, "step_cost", 0.0))
+            policy = self._policy(getattr(inner, "step_cost", 0.0))
             speculator = Speculator(proposer, policy, self.block_manager, config.max_num_batched_tokens,
                                     self.scheduler.watermark, self.speculation)
             self.scheduler.on_finish = speculator.finished
         self.loop = StepLoop(self.runner, self.scheduler, self.groups, self.finishing, self.grammars, self.times,
                              self.eos_token_ids, overlap, constrained, speculator)
+
+    def _policy(self, draft_cost: float) -> Policy:
+        """The speculation policy, with what a step costs on this device and these weights (config.DOUBLING_TOKENS)."""
+        config = self.config
+        kind = self.runner.device.type + ("-quantized" if self.runner.quantized else "")
+        doubling = config.speculative_doubling_tokens or DOUBLING_TOKENS.get(kind, DOUBLING_TOKENS["cpu"])
+        return Policy(config.num_speculative_tokens, doubling, draft_cost, SECOND_TOKEN_COST.get(kind, 0.0))
 
     def _proposer(self) -> Proposer:
         """A fresh proposer of the configured kind (a draft model's runner is the engine's, loaded once)."""

@@ -230,11 +230,13 @@ class StepLoop:
                 if scores is not None and seq.group is not None:
                     seq.cumulative_logprob += float(scores[row + i, token])
                 if reason is not None:
+                    if draft:  # what it computed up to its last token is a prefix to cache, as without drafts
+                        self.speculator.keep(seq, pos + i)
                     reported += end(seq, reason, hide)
                     break
             else:
                 if draft:
-                    self.speculator.keep(seq)
+                    self.speculator.keep(seq, seq.num_computed_tokens)
         reported += self._beam_steps(step)
         self.times.lap("update")
         return Landed(*rows, texts, entries if scores is not None else None, reported)

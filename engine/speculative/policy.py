@@ -38,12 +38,15 @@ class Rate:
 
 
 class Policy:
-    def __init__(self, max_k: int, doubling_tokens: int, draft_cost: float = 0.0) -> None:
+    def __init__(self, max_k: int, doubling_tokens: int, draft_cost: float = 0.0, second_token_cost: float = 0.0
+                 ) -> None:
         """draft_cost: what the proposer spends per draft token, in one-token target steps (a draft model's
-        forward; 0 for a lookup)."""
+        forward; 0 for a lookup). second_token_cost: what a step of one token costs more once it has two (kernels
+        that change path there)."""
         self.max_k = max_k
         self.doubling = doubling_tokens
         self.draft_cost = draft_cost
+        self.second_token_cost = second_token_cost
         self.rates: dict[Sequence, Rate] = {}
         self.total = Rate(START_RATE * PRIOR_WEIGHT, (1 - START_RATE) * PRIOR_WEIGHT)
 
@@ -61,18 +64,23 @@ class Policy:
         total.accepted = total.accepted * DRIFT + START_RATE * PRIOR_WEIGHT * (1 - DRIFT)
         total.rejected = total.rejected * DRIFT + (1 - START_RATE) * PRIOR_WEIGHT * (1 - DRIFT)
         rates = [self.rate(seq) for seq in seqs]
-        # In one-token steps: the step's cost, and what one more draft token adds to it.
-        gain, cost = float(num_samplers), 1 + num_tokens / self.doubling
-        extra = 1 / self.doubling + self.draft_cost
+        # In one-token steps: the step's cost, and what one more draft token adds to it: its share of the forward,
+        # and a proposer's forward where it drafts one deeper than any sequence so far (one for the whole batch).
+        gain, cost, tokens = float(num_samplers), 1 + num_tokens / self.doubling, num_tokens
         ks = [0] * len(seqs)
+        depth = 0
         # Worth of the next draft per sequence; the best is taken while it beats the step's tokens per cost.
         worth = list(rates)
         while True:
             best = max(range(len(seqs)), key=worth.__getitem__, default=None)
+            extra = 1 / self.doubling + (self.draft_cost if best is not None and ks[best] == depth else 0.0)
+            if tokens == 1:
+                extra += self.second_token_cost
             if best is None or worth[best] * cost <= gain * extra:
                 self._idle(seqs, ks)
                 return ks
-            gain, cost = gain + worth[best], cost + extra
+            gain, cost, tokens = gain + worth[best], cost + extra, tokens + 1
+            depth = max(depth, ks[best] + 1)
             ks[best] += 1
             worth[best] = worth[best] * rates[best] if ks[best] < min(self.max_k, limits[best]) else 0.0
 

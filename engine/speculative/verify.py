@@ -137,7 +137,9 @@ class Speculator:
         self.proposer.finished(seq)
         self.policy.forget(seq)
 
-    def keep(self, seq: Sequence) -> None:
-        """After seq's landed tokens are written in: share the blocks they filled, free those beyond them."""
+    def keep(self, seq: Sequence, computed: int) -> None:
+        """After seq's landed tokens are written in, the first `computed` of its tokens computed (fewer than settle
+        counted where a landed token ended it): share the blocks they filled, free those beyond them."""
+        seq.num_computed_tokens = computed
         self.bm.commit(seq)
-        self.bm.trim(seq, seq.num_computed_tokens)
+        self.bm.trim(seq, computed)

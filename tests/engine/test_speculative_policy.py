@@ -103,3 +103,15 @@ def test_a_full_batch_does_not_speculate_and_a_lone_request_does(make_engine):
     assert on.speculation.proposed == 0
     run(on, prompts[:1], params)
     assert on.speculation.proposed > 0
+
+
+def test_a_costly_second_token_asks_more_of_a_lone_sequences_drafts():
+    """Where a step's second token costs half a step (quantized CPU kernels), a lone sequence drafts only when its
+    drafts land often enough to pay for it; in a batch the cost is paid already."""
+    policy = Policy(max_k=8, doubling_tokens=10, second_token_cost=0.5)
+    seqs = _seqs(2)
+    for seq, rate in zip(seqs, (0.25, 0.7)):
+        policy.rates[seq] = type(policy.total)(accepted=rate * 1000, rejected=(1 - rate) * 1000)
+    assert policy.plan(seqs[:1], [100], 1, 1) == [0]
+    assert policy.plan(seqs[1:], [100], 1, 1)[0] >= 2
+    assert Policy(max_k=8, doubling_tokens=10).plan(seqs[:1], [100], 1, 1)[0] > 0
