@@ -253,6 +253,7 @@ def _llamacpp(server_bin: str | None, model: str, cases: list[Case], best: dict,
             raise llamacpp_peer.Unavailable(f"{model} is not a GGUF file: llama.cpp runs GGUF only")
         ctx = max(len(c.prompts[0]) + best[(i, "off")]["tokens"] for i, c in grounded) + BLOCK_SIZE
         echo(f"  starting llama-server (1 slot of {ctx} tokens, {threads} threads) on {gguf.name}")
+        out.mkdir(parents=True, exist_ok=True)
         server = llamacpp_peer.Server(binary, str(gguf), threads, 1, ctx, out / "llamacpp.log")
     except llamacpp_peer.Unavailable as e:
         echo(f"  llama.cpp unavailable: {e}")

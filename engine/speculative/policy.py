@@ -23,7 +23,9 @@ FADE = 0.95  # per verify step: what a sequence's older counts still weigh
 # gets another try where its text turns to something its proposer knows.
 IDLE_FADE = 0.97
 PRIOR_WEIGHT = 1.0  # the all-sequences rate counts as this many verified tokens of a new sequence
-START_RATE = 0.5  # the all-sequences rate before anything was verified
+# The all-sequences rate before anything was verified: optimistic, so that a step's fixed extra cost (a quantized
+# CPU step's second token, a draft model's forward) does not keep speculation from ever being tried.
+START_RATE = 0.7
 # Per step, the all-sequences counts drift back toward START_RATE: where speculation stopped for a low rate, new
 # sequences try drafts again now and then (a workload changes), rather than never again.
 DRIFT = 0.99

@@ -54,6 +54,7 @@ def test_drafts_stop_where_the_batch_crosses_over(rate):
     seqs = _seqs(64)
     for seq in seqs:
         policy.rates[seq] = type(policy.total)(accepted=rate * 1000, rejected=(1 - rate) * 1000)
+    rate = policy.rate(seqs[0])  # its own count, and a little of the shared one
     crossover = rate * 16 / (1 - rate)
     for size in (1, 2, 4, 8, 16, 32, 64):
         drafts = sum(policy.plan(seqs[:size], [100] * size, size, size))
@@ -97,8 +98,8 @@ def test_forget_drops_a_sequence():
 def test_a_full_batch_does_not_speculate_and_a_lone_request_does(make_engine):
     off, on = pair(make_engine, block_size=8, max_num_seqs=64, num_kv_blocks=1024)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    # 40 requests decoding together: past the crossover; they all end in the same step.
-    prompts = [HITS[1]] * 40
+    # 48 requests decoding together: past the crossover; they all end in the same step.
+    prompts = [HITS[1]] * 48
     assert [o.token_ids for o in run(on, prompts, params)] == [o.token_ids for o in run(off, prompts, params)]
     assert on.speculation.proposed == 0
     run(on, prompts[:1], params)
