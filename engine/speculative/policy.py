@@ -3,10 +3,11 @@
 A draft token's worth is the tokens it is expected to add: the j-th draft of a sequence lands only if the j - 1
 before it were accepted too, so with a per-token acceptance rate a it adds a ** j. Its cost is a bigger step: a
 forward of T tokens costs about 1 + T / doubling_tokens one-token steps (below doubling_tokens tokens, reading the
-weights dominates and more tokens come almost free; past it, compute does), plus what the proposer spends on it (a
-draft model's forwards). Drafts are taken best first while each
-raises the step's expected tokens per unit of cost, so a small batch speculates, a sequence whose drafts keep
-failing gets fewer, and a batch large enough to be compute-bound gets none: speculation turns itself off.
+weights dominates and more tokens come almost free; past it, compute does), plus a one-token step's second token
+where the kernels change path there (second_token_cost), plus what the proposer spends (a draft model's forward
+per draft depth). Drafts are taken best first while each raises the step's expected tokens per unit of cost, so a
+small batch speculates, a sequence whose drafts keep failing gets fewer, and a batch large enough to be
+compute-bound gets none: speculation turns itself off.
 
 Each sequence's acceptance rate is counted over its recent verify steps (older ones fade), starting from the rate of
 all sequences so far, so a new sequence is not judged on nothing.
