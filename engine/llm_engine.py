@@ -36,6 +36,21 @@ from engine.tokens import chat_prompt, eos_ids
 from engine.weights.loader import resolve_model
 
 log = logging.getLogger("pagedq.engine")
+_heap_frozen = False
+
+
+def _freeze_first_engine() -> None:
+    """The first engine of a process (a worker's only one) lives as long as the process: its model, tokenizer and
+    cache bookkeeping go out of the collector's sight, so full collections no longer walk them every time requests
+    come and go. Only the first: a frozen object is never freed, and a process that makes engine after engine
+    (the test suite, a benchmark comparing settings) must get their memory back."""
+    global _heap_frozen
+    if _heap_frozen:
+        return
+    _heap_frozen = True
+    gc.collect()
+    gc.freeze()
+    atexit.register(gc.unfreeze)  # at exit everything must be collectable again (native bindings check)
 
 
 class LLMEngine:
@@ -63,11 +78,7 @@ class LLMEngine:
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._build(overlap=config.overlap_steps if config.overlap_steps is not None
                     else self.runner.device.type == "cuda", constrained=False)
-        # The model, tokenizer and cache bookkeeping live as long as the engine: out of the collector's sight,
-        # full collections no longer walk them every time requests come and go.
-        gc.collect()
-        gc.freeze()
-        atexit.register(gc.unfreeze)  # at exit everything must be collectable again (native bindings check)
+        _freeze_first_engine()
 
     def _build(self, overlap: bool, constrained: bool) -> None:
         """Fresh bookkeeping and stages over the same model: at start, and after reset()."""
