@@ -285,8 +285,10 @@ def run_spec(model: str, device: str | None = None, dtype: str | None = None, qu
     import torch
 
     from bench.report import machine, write_json
+    from engine import EngineConfig
     from engine.config import SPECULATIVE
 
+    k = k or EngineConfig.num_speculative_tokens
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     reps = reps or (1 if quick else REPS)
     modes = ["off", *(m for m in modes or SPECULATIVE if m != "off")]
@@ -322,9 +324,6 @@ def _one_quantization(model, device, dtype, q, modes, k, reps, quick, seed, num_
 
     cases = _cases(model, quick, seed)
     seqs = max(64, max(len(c.prompts) for c in cases))
-    from engine import EngineConfig
-
-    k = k or EngineConfig.num_speculative_tokens
     blocks = num_kv_blocks or _kv_blocks(cases, k, seqs)
     engines = {}
     for mode in modes:
