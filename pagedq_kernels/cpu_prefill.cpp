@@ -103,25 +103,26 @@ inline void load_row(const T* row, float* out) {
   }
 }
 
-// Scores of the tile's keys (four at a time: 4 x 3 accumulators), scaled and causally masked.
-template <int64_t D>
+// Scores of the tile's keys (four at a time: 4 x C accumulators), scaled and causally masked. C: the registers of
+// 16 rows an item fills (a verify step's few tokens, one; a prompt's, three): lanes past them are padding.
+template <int64_t D, int64_t C>
 inline void vec_scores(VecScratch<D>& w, int64_t j0, float scale) {
   constexpr int64_t kKeys = 4;
   for (int64_t j = 0; j < kTile; j += kKeys) {
-    __m512 acc[kKeys][kChunks];
+    __m512 acc[kKeys][C];
     for (auto& row : acc)
       for (auto& x : row) x = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; ++d) {
-      __m512 q[kChunks];
-      for (int64_t c = 0; c < kChunks; ++c) q[c] = _mm512_load_ps(&w.qt[d][c * kLanes]);
+      __m512 q[C];
+      for (int64_t c = 0; c < C; ++c) q[c] = _mm512_load_ps(&w.qt[d][c * kLanes]);
       for (int64_t kk = 0; kk < kKeys; ++kk) {
         const __m512 key = _mm512_set1_ps(w.k[j + kk][d]);
-        for (int64_t c = 0; c < kChunks; ++c) acc[kk][c] = _mm512_fmadd_ps(q[c], key, acc[kk][c]);
+        for (int64_t c = 0; c < C; ++c) acc[kk][c] = _mm512_fmadd_ps(q[c], key, acc[kk][c]);
       }
     }
     for (int64_t kk = 0; kk < kKeys; ++kk) {
       const __m512 key_pos = _mm512_set1_ps(static_cast<float>(j0 + j + kk));
-      for (int64_t c = 0; c < kChunks; ++c) {
+      for (int64_t c = 0; c < C; ++c) {
         const __mmask16 seen = _mm512_cmp_ps_mask(key_pos, _mm512_load_ps(&w.pos[c * kLanes]), _CMP_LE_OQ);
         const __m512 score = _mm512_mul_ps(acc[kk][c], _mm512_set1_ps(scale));
         _mm512_store_ps(&w.s[j + kk][c * kLanes], _mm512_mask_blend_ps(seen, _mm512_set1_ps(kNegInf), score));
@@ -131,9 +132,9 @@ inline void vec_scores(VecScratch<D>& w, int64_t j0, float scale) {
 }
 
 // The tile's scores to weights (in place) against the new running max; alpha rescales what came before.
-template <int64_t D>
+template <int64_t D, int64_t C>
 inline void vec_softmax(VecScratch<D>& w) {
-  for (int64_t c = 0; c < kRows; c += kLanes) {
+  for (int64_t c = 0; c < C * kLanes; c += kLanes) {
     const __m512 old = _mm512_load_ps(&w.m[c]);
     __m512 top = old;
     for (int64_t j = 0; j < kTile; ++j) top = _mm512_max_ps(top, _mm512_load_ps(&w.s[j][c]));
@@ -150,25 +151,25 @@ inline void vec_softmax(VecScratch<D>& w) {
   }
 }
 
-// out = out * alpha + weights x values, eight dimensions at a time (8 x 3 accumulators).
-template <int64_t D>
+// out = out * alpha + weights x values, eight dimensions at a time (8 x C accumulators).
+template <int64_t D, int64_t C>
 inline void vec_values(VecScratch<D>& w) {
   constexpr int64_t kDims = 8;
   for (int64_t d0 = 0; d0 < D; d0 += kDims) {
-    __m512 acc[kDims][kChunks];
+    __m512 acc[kDims][C];
     for (int64_t dd = 0; dd < kDims; ++dd)
-      for (int64_t c = 0; c < kChunks; ++c)
+      for (int64_t c = 0; c < C; ++c)
         acc[dd][c] = _mm512_mul_ps(_mm512_load_ps(&w.ot[d0 + dd][c * kLanes]), _mm512_load_ps(&w.alpha[c * kLanes]));
     for (int64_t j = 0; j < kTile; ++j) {
-      __m512 p[kChunks];
-      for (int64_t c = 0; c < kChunks; ++c) p[c] = _mm512_load_ps(&w.s[j][c * kLanes]);
+      __m512 p[C];
+      for (int64_t c = 0; c < C; ++c) p[c] = _mm512_load_ps(&w.s[j][c * kLanes]);
       for (int64_t dd = 0; dd < kDims; ++dd) {
         const __m512 value = _mm512_set1_ps(w.v[j][d0 + dd]);
-        for (int64_t c = 0; c < kChunks; ++c) acc[dd][c] = _mm512_fmadd_ps(p[c], value, acc[dd][c]);
+        for (int64_t c = 0; c < C; ++c) acc[dd][c] = _mm512_fmadd_ps(p[c], value, acc[dd][c]);
       }
     }
     for (int64_t dd = 0; dd < kDims; ++dd)
-      for (int64_t c = 0; c < kChunks; ++c) _mm512_store_ps(&w.ot[d0 + dd][c * kLanes], acc[dd][c]);
+      for (int64_t c = 0; c < C; ++c) _mm512_store_ps(&w.ot[d0 + dd][c * kLanes], acc[dd][c]);
   }
 }
 
@@ -205,7 +206,7 @@ inline void load_queries(const Args<T>& a, const Rows<T>& rows, VecScratch<D>& w
   }
 }
 
-template <typename T, int64_t D>
+template <typename T, int64_t D, int64_t C>
 void attend_item(const Args<T>& a, const Item& it, VecScratch<D>& w) {
   const Rows<T> rows(a, it);
   const int32_t* table = a.tables + it.seq * a.table_stride;
@@ -225,10 +226,10 @@ void attend_item(const Args<T>& a, const Item& it, VecScratch<D>& w) {
       if (values[j] != nullptr) prefetch_row(values[j], D * sizeof(T));  // read after the scores
       load_row<T, D>(j < n ? cache_row(a.k, table, j0 + j, it.head, a) : nullptr, w.k[j]);
     }
-    vec_scores(w, j0, a.scale);
-    vec_softmax(w);
+    vec_scores<D, C>(w, j0, a.scale);
+    vec_softmax<D, C>(w);
     for (int64_t j = 0; j < kTile; ++j) load_row<T, D>(values[j], w.v[j]);
-    vec_values(w);
+    vec_values<D, C>(w);
   }
   for (int64_t r = 0; r < rows.rows; ++r)
     for (int64_t d = 0; d < D; ++d) a.out[rows.at(r, d, D)] = static_cast<T>(w.ot[d][r] / w.l[r]);
@@ -389,8 +390,17 @@ void attend_items(const Args<T>& a, const std::vector<Item>* bins, int64_t begin
   }
 #endif
   auto w = std::make_unique<VecScratch<D>>();
+  const int64_t group = a.q_heads / a.kv_heads;
   for (int64_t b = begin; b < end; ++b)
-    for (const Item& it : bins[b]) attend_item<T, D>(a, it, *w);
+    for (const Item& it : bins[b]) {
+      const int64_t registers = (it.tokens * group + kLanes - 1) / kLanes;
+      if (registers == 1)
+        attend_item<T, D, 1>(a, it, *w);
+      else if (registers == 2)
+        attend_item<T, D, 2>(a, it, *w);
+      else
+        attend_item<T, D, kChunks>(a, it, *w);
+    }
 }
 
 template <typename T, size_t I = 0>

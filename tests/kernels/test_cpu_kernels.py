@@ -63,7 +63,8 @@ def test_bfloat16_attention_on_amx_tiles_and_past_them(built, block_size, hq, hk
 def test_prefill_reads_the_blocks_in_place(built, hq, hkv, head_dim, dtype):
     # Prompts of many lengths (two tokens, a block, past a key tile, several query tiles), chunks after a cached
     # prefix (ending inside a block, starting on a block edge, three tokens after 45), beside decodes; unwritten
-    # slots hold NaN, which a kernel that reads past a sequence's end would spread.
+    # slots hold NaN, which a kernel that reads past a sequence's end would spread. Items fill one, two or three
+    # registers of 16 rows (the kernel computes only those): (0, 2) and (45, 3) one, (7, 9) two for 3 heads a group.
     shapes = [(0, 2), (0, 16), (0, 33), (0, 130), (7, 9), (32, 50), (45, 3), (20, 1), (0, 1)]
     b = random_batch(hq, hkv, head_dim, 16, shapes, dtype, seed=head_dim + 1)
     store(torch_ops, b)
