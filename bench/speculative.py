@@ -13,8 +13,8 @@ per step it carried drafts), and whether the tokens equal off's. llama.cpp's ser
 given, runs the grounded tasks on the same GGUF and threads, greedy, as many tokens as off made.
 
 Every mode's engine is loaded first; then the runs take turns (each case, every mode), `reps` rounds, each kept
-at its best, so that a stray load on the machine hits all modes alike. Prefix caching is off: every round does the
-same work.
+at its best, so that a stray load on the machine hits all modes alike. Prefix caching is off and a suffix index is
+set back to what it held when the case first ran: every round does the same work.
 
     python -m bench.speculative [--model smollm2-135m-instruct] [--quantization auto none] [--mode ngram] [--k 4]
                                 [--reps 2] [--quick] [--llamacpp-server PATH]
@@ -23,6 +23,7 @@ same work.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -182,9 +183,16 @@ def _first_diff(a: list[list[int]], b: list[list[int]]) -> int | None:
 def _measure(engines: dict, cases: list[Case], reps: int, echo: Callable[[str], None]) -> dict:
     """(case index, mode) -> its best run, the modes taking turns on each case, `reps` rounds."""
     best: dict = {}
+    indexes: dict = {}  # (case, mode) -> a suffix index as it was when the case first ran
     for rep in range(reps):
         for i, case in enumerate(cases):
             for mode, (eng, drafted) in engines.items():
+                index = _suffix_index(eng)
+                if index is not None and rep == 0:
+                    indexes[(i, mode)] = copy.deepcopy(index.__dict__)
+                elif index is not None:
+                    # A later round sees what the first saw: not this very request's output, indexed a round ago.
+                    index.__dict__.update(copy.deepcopy(indexes[(i, mode)]))
                 if case.workload == "concurrent":
                     fig = _batch(eng, drafted, case)
                 else:
@@ -195,6 +203,15 @@ def _measure(engines: dict, cases: list[Case], reps: int, echo: Callable[[str], 
             echo(f"  round {rep + 1}/{reps}: {case.workload} {case.name}: "
                  + ", ".join(_progress(m, best[(i, m)]) for m in engines))
     return best
+
+
+def _suffix_index(eng):
+    """The engine's suffix proposer (it learns from every output), or None."""
+    from engine.speculative.suffix import SuffixProposer
+
+    speculator = eng.loop.speculator
+    proposer = getattr(speculator.proposer, "inner", speculator.proposer) if speculator is not None else None
+    return proposer if isinstance(proposer, SuffixProposer) else None
 
 
 def _progress(mode: str, fig: dict) -> str:

@@ -313,6 +313,22 @@ def test_spec_workload_compares_every_mode_with_off(tmp_path, tiny_model, monkey
     assert "| grounded |" in r.output and "llama.cpp: unavailable" in r.output
 
 
+
+@pytest.mark.slow
+def test_spec_rounds_give_a_suffix_index_what_the_first_round_saw(tiny_model):
+    """Every round of `-w spec` does the same work: before each case a suffix engine's index is set back to what it
+    held when the case first ran, so a later round never drafts from this very request's output of the round before.
+    After two rounds the index holds one round's outputs."""
+    from bench import speculative as spec
+
+    model = tiny_model("llama")
+    cases = spec._cases(model, True, 0)
+    seqs = max(64, max(len(c.prompts) for c in cases))
+    eng = spec._engine(model, "cpu", None, "auto", "suffix", 8, seqs, spec._kv_blocks(cases, 8, seqs))
+    spec._measure({"suffix": (eng, spec._Drafted(eng))}, cases, 2, lambda line: None)
+    index = spec._suffix_index(eng)
+    assert len(index.lengths) == sum(len(c.prompts) for c in cases)
+
 FAKE_LLAMA_SERVER = '''#!/usr/bin/env python3
 import json, sys
 from http.server import BaseHTTPRequestHandler, HTTPServer
