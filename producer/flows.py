@@ -98,38 +98,44 @@ def run_call(call: Call, durability: Durability | None = None) -> Flow:
     return out
 
 
-def is_own(call: Call) -> Flow:
+def is_own(call: Call, retried: bool) -> Flow:
     """Whether the job a submit call names is the one this very call stored (its reply was lost to an outage):
-    the stored enqueued_at is the call's own, or the queued payload is the same."""
+    the stored enqueued_at is the call's own, or, after a retry this flow's ride made, the queued payload is the
+    same. Without one the call may still have been sent twice: redis-py re-sends a command on a dropped
+    connection by itself (its default Retry), unseen here; only the call's own enqueued_at tells that apart from
+    another submit of the id."""
     job, payload, enqueued_at = call.keys[0], call.args[1], call.args[2]
     at, entry_id, stream = yield Cmd("hmget", (job, ["enqueued_at", "entry", "stream"]))
     if at is not None and at == enqueued_at:
         return True
-    if not (entry_id and stream):  # taken off its stream already: only enqueued_at could have told
+    if not (retried and entry_id and stream):  # taken off its stream already: only enqueued_at could have told
         return False
     entry = yield Cmd("xrange", (stream, entry_id, entry_id))
     return bool(entry) and entry[0][1].get("job") == payload
 
 
 def submit(call: Call[str], durability: Durability | None = None, ride: Any = None) -> Flow:
-    """Submit one job. After a retry through an outage (ride.retried), a DUPLICATE that is this call's own job is
-    success: the job id is the idempotency key."""
+    """Submit one job. A DUPLICATE that is this call's own job (sent again through an outage) is success: the job
+    id is the idempotency key."""
     try:
         return (yield from run_call(call, durability))
     except DuplicateJobError:
-        if ride is None or not ride.retried or not (yield from is_own(call)):
+        if not (yield from is_own(call, _retried(ride))):
             raise
         return call.job_id
 
 
+def _retried(ride: Any) -> bool:
+    return ride is not None and ride.retried
+
+
 def submit_many(calls: Sequence[Call[str]], durability: Durability | None = None, ride: Any = None) -> Flow:
-    """Submit jobs in one round trip; a duplicate id anywhere raises once, naming all of them (after a retry
-    through an outage, not those that are this round trip's own jobs)."""
+    """Submit jobs in one round trip; a duplicate id anywhere raises once, naming all of them (not those that are
+    this round trip's own jobs, sent again through an outage)."""
     outs = yield from run_calls(calls, durability)
-    if ride is not None and ride.retried:
-        for i, (c, o) in enumerate(zip(calls, outs, strict=True)):
-            if isinstance(o, DuplicateJobError) and (yield from is_own(c)):
-                outs[i] = c.job_id
+    for i, (c, o) in enumerate(zip(calls, outs, strict=True)):
+        if isinstance(o, DuplicateJobError) and (yield from is_own(c, _retried(ride))):
+            outs[i] = c.job_id
     dups = [c.job_id for c, o in zip(calls, outs, strict=True) if isinstance(o, DuplicateJobError)]
     for o in outs:
         if isinstance(o, Exception) and not isinstance(o, DuplicateJobError):
