@@ -108,7 +108,7 @@ def is_own(call: Call, retried: bool) -> Flow:
     at, entry_id, stream = yield Cmd("hmget", (job, ["enqueued_at", "entry", "stream"]))
     if at is not None and at == enqueued_at:
         return True
-    if not (retried and entry_id and stream):  # taken off its stream already: only enqueued_at could have told
+    if not (retried and entry_id and stream):  # no retry of ours, or off its stream already: only enqueued_at tells
         return False
     entry = yield Cmd("xrange", (stream, entry_id, entry_id))
     return bool(entry) and entry[0][1].get("job") == payload
