@@ -310,4 +310,3 @@ def test_smollm2_kept_quantized_answers_and_stays_close(smollm2, ops):
 QUESTIONS = ["What is the capital of France?", "What is 2+2?", "Name three colors.", "Who wrote Hamlet?",
              "What is the capital of Italy?", "Translate 'hello' to French.", "How many legs does a spider have?",
              "What color is the sky?"]
-

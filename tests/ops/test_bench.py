@@ -313,7 +313,6 @@ def test_spec_workload_compares_every_mode_with_off(tmp_path, tiny_model, monkey
     assert "| grounded |" in r.output and "llama.cpp: unavailable" in r.output
 
 
-
 @pytest.mark.slow
 def test_spec_rounds_give_a_suffix_index_what_the_first_round_saw(tiny_model):
     """Every round of `-w spec` does the same work: before each case a suffix engine's index is set back to what it
@@ -328,6 +327,7 @@ def test_spec_rounds_give_a_suffix_index_what_the_first_round_saw(tiny_model):
     spec._measure({"suffix": (eng, spec._Drafted(eng))}, cases, 2, lambda line: None)
     index = spec._suffix_index(eng)
     assert len(index.lengths) == sum(len(c.prompts) for c in cases)
+
 
 FAKE_LLAMA_SERVER = '''#!/usr/bin/env python3
 import json, sys
